@@ -1,0 +1,1 @@
+"""Model building blocks: attention (the graph break point), linear, norm, rotary, sampler."""
