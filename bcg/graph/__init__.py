@@ -1,0 +1,30 @@
+"""Breakable CUDA graphs: capture a region as CUDA graph segments with eager breaks.
+
+This layer depends on torch only and knows nothing about language models.
+"""
+
+from bcg.graph.breaks import break_graph, eager_on_graph, fork_stream
+from bcg.graph.capture import BreakableCUDAGraphCapture, current_capture
+from bcg.graph.context import (
+    enable_breakable_cuda_graph,
+    get_current_replay_token,
+    get_current_stream,
+    is_in_breakable_cuda_graph,
+)
+from bcg.graph.copy_output import copy_output
+from bcg.graph.graph import BreakableCUDAGraph, GraphReplayError
+
+__all__ = [
+    "BreakableCUDAGraph",
+    "BreakableCUDAGraphCapture",
+    "GraphReplayError",
+    "break_graph",
+    "copy_output",
+    "current_capture",
+    "eager_on_graph",
+    "enable_breakable_cuda_graph",
+    "fork_stream",
+    "get_current_replay_token",
+    "get_current_stream",
+    "is_in_breakable_cuda_graph",
+]

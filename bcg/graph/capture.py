@@ -1,0 +1,190 @@
+"""`BreakableCUDAGraphCapture`: capture a region as segments split at eager breaks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from bcg.graph.context import _current_stream
+from bcg.graph.graph import BreakableCUDAGraph
+
+_EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
+
+
+class CudaBackend:
+    """The few CUDA calls a capture makes; tests substitute a fake to drive the protocol
+    on a machine without a GPU."""
+
+    def new_segment(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    def graph_pool_handle(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream()
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+    def stream_context(self, stream: torch.cuda.Stream) -> Any:
+        return torch.cuda.stream(stream)
+
+
+backend = CudaBackend()
+_current_capture: ContextVar[BreakableCUDAGraphCapture | None] = ContextVar(
+    "bcg_current_capture", default=None
+)
+
+
+def current_capture() -> BreakableCUDAGraphCapture | None:
+    """The capture active in this thread/context, if any."""
+    return _current_capture.get()
+
+
+class BreakableCUDAGraphCapture:
+    """Context manager that captures the enclosed code into a `BreakableCUDAGraph`.
+
+    Every call to an `eager_on_graph` function inside it ends the current segment, runs
+    `barrier_fn` (e.g. to re-align tensor-parallel ranks), runs the function eagerly on
+    the capture stream, records it as a replay step and begins the next segment. All
+    segments allocate from one memory pool: `pool` (another graph's `pool()`) or a new one.
+    No garbage collection, cache emptying or device synchronisation happens here: do
+    those once per captured size, before entering.
+    """
+
+    def __init__(
+        self,
+        graph: BreakableCUDAGraph,
+        pool: Any = None,
+        stream: torch.cuda.Stream | None = None,
+        capture_error_mode: str = "global",
+        barrier_fn: Callable[[], None] | None = None,
+    ) -> None:
+        if not isinstance(graph, BreakableCUDAGraph):
+            raise TypeError(
+                f"BreakableCUDAGraphCapture needs a BreakableCUDAGraph, got "
+                f"{type(graph).__name__}; create one with BreakableCUDAGraph()"
+            )
+        self.graph = graph
+        self.pool = pool
+        self.stream = stream
+        self.capture_error_mode = capture_error_mode
+        self.barrier_fn = barrier_fn
+        self.in_break = False
+        self._segment: Any = None
+        self._side_streams: list[torch.cuda.Stream] = []
+        self._restore: list[Callable[[], None]] = []
+
+    def __enter__(self) -> BreakableCUDAGraphCapture:
+        if _current_capture.get() is not None:
+            raise RuntimeError(
+                "BreakableCUDAGraphCapture cannot be nested: finish the active capture "
+                "before starting another"
+            )
+        self.pool = self.pool if self.pool is not None else backend.graph_pool_handle()
+        self.graph._begin_capture(self.pool)
+        caller_stream = backend.current_stream()
+        self.stream = self.stream if self.stream is not None else backend.new_stream()
+        self.stream.wait_stream(caller_stream)
+        stream_context = backend.stream_context(self.stream)
+        stream_context.__enter__()
+        capture_token = _current_capture.set(self)
+        stream_token = _current_stream.set(self.stream)
+        self._restore = [
+            lambda: caller_stream.wait_stream(self.stream),
+            lambda: stream_context.__exit__(None, None, None),
+            lambda: _current_stream.reset(stream_token),
+            lambda: _current_capture.reset(capture_token),
+        ]
+        try:
+            self._begin_segment()
+        except BaseException:
+            self._unwind()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                self._end_segment()
+                self.graph._finish_capture()
+            else:
+                self._abort()
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._unwind()
+        return False
+
+    def fork(self, side_stream: torch.cuda.Stream) -> None:
+        """Make `side_stream` part of the capture; it is joined before every segment ends
+        and forked again when the next segment begins."""
+        side_stream.wait_stream(self.stream)
+        if side_stream not in self._side_streams:
+            self._side_streams.append(side_stream)
+
+    def run_break(self, fn: Callable, args: tuple, kwargs: dict, stub: Callable | None) -> Any:
+        """End the segment, run `fn` (or its capture stub) eagerly, record it, begin anew."""
+        self._end_segment()
+        if self.barrier_fn is not None:
+            self.barrier_fn()
+        self.in_break = True
+        try:
+            result = (stub or fn)(*args, **kwargs)
+        finally:
+            self.in_break = False
+        self.graph._add_break(fn, args, kwargs, result)
+        self._begin_segment()
+        return result
+
+    def _begin_segment(self) -> None:
+        segment = backend.new_segment()
+        segment.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        self._segment = segment
+        for side_stream in self._side_streams:
+            side_stream.wait_stream(self.stream)
+
+    def _end_segment(self) -> None:
+        for side_stream in self._side_streams:
+            self.stream.wait_stream(side_stream)
+        segment, self._segment = self._segment, None
+        if _end_and_check_empty(segment):
+            segment.reset()
+        else:
+            self.graph._add_segment(segment)
+
+    def _abort(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            try:
+                segment.capture_end()
+            except Exception:  # the capture may already be invalid; the original error wins
+                pass
+            segment.reset()
+        self.graph.reset()
+
+    def _unwind(self) -> None:
+        while self._restore:
+            self._restore.pop()()
+
+
+def _end_and_check_empty(segment: Any) -> bool:
+    """End the capture of `segment`; True if it recorded no work (torch warns then)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        segment.capture_end()
+    empty = False
+    for warning in caught:
+        if _EMPTY_GRAPH_WARNING in str(warning.message):
+            empty = True
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+    return empty

@@ -1,0 +1,105 @@
+"""`BreakableCUDAGraph`: CUDA graph segments with eager breaks between them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bcg.graph.context import _replay_token, next_replay_token
+from bcg.graph.copy_output import copy_output
+
+
+class GraphReplayError(RuntimeError):
+    """A segment or break failed during `BreakableCUDAGraph.replay()`."""
+
+
+class BreakableCUDAGraph:
+    """An ordered list of real CUDA graph segments and the eager breaks between them.
+
+    Fill it with `BreakableCUDAGraphCapture`; `replay()` then runs segment 0, break 0,
+    segment 1, ... on the current stream. Empty segments are dropped at capture, so they
+    cost nothing at replay.
+    """
+
+    def __init__(self) -> None:
+        self._segments: list[Any] = []
+        self._steps: list[Callable[[], None]] = []
+        self._labels: list[str] = []
+        self._pool: Any = None
+        self._num_breaks = 0
+        self._captured = False
+
+    @property
+    def num_segments(self) -> int:
+        """Segments that hold work (empty ones are dropped)."""
+        return len(self._segments)
+
+    @property
+    def num_breaks(self) -> int:
+        return self._num_breaks
+
+    @property
+    def is_captured(self) -> bool:
+        return self._captured
+
+    def pool(self) -> Any:
+        """The memory pool handle; pass it to another capture to share the pool."""
+        return self._pool
+
+    def replay(self) -> None:
+        """Run every segment and break in capture order on the current stream."""
+        if not self._captured:
+            raise RuntimeError(
+                "BreakableCUDAGraph.replay(): the graph has not been captured; capture it "
+                "inside `with BreakableCUDAGraphCapture(graph): ...` first"
+            )
+        token = _replay_token.set(next_replay_token())
+        index = 0
+        try:
+            for index, step in enumerate(self._steps):  # noqa: B007 (read in except)
+                step()
+        except Exception as error:
+            raise GraphReplayError(
+                f"replay failed in {self._labels[index]}: {type(error).__name__}: {error}"
+            ) from error
+        finally:
+            _replay_token.reset(token)
+
+    def reset(self) -> None:
+        """Release every segment and break so the graph can be captured again."""
+        for segment in self._segments:
+            segment.reset()
+        self.__init__()
+
+    def _add_segment(self, segment: Any) -> None:
+        self._segments.append(segment)
+        self._steps.append(segment.replay)
+        self._labels.append(f"segment {self._num_breaks}")
+
+    def _add_break(self, fn: Callable, args: tuple, kwargs: dict, capture_result: Any) -> None:
+        # The step closes over the argument objects and the capture-time result: strong
+        # references, so their memory can never be handed to another capture in the pool.
+        if capture_result is None:
+
+            def step() -> None:
+                fn(*args, **kwargs)
+
+        else:
+
+            def step() -> None:
+                copy_output(capture_result, fn(*args, **kwargs))
+
+        self._steps.append(step)
+        self._labels.append(f"break {self._num_breaks} ({fn.__module__}.{fn.__qualname__})")
+        self._num_breaks += 1
+
+    def _begin_capture(self, pool: Any) -> None:
+        if self._captured:
+            raise RuntimeError(
+                "BreakableCUDAGraphCapture: this graph is already captured; call "
+                "graph.reset() before capturing it again, or use a new BreakableCUDAGraph"
+            )
+        self._pool = pool
+
+    def _finish_capture(self) -> None:
+        self._captured = True

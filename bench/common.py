@@ -1,0 +1,63 @@
+"""Shared helpers for the benchmarks: timing, device facts, JSON results, tables."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def require_cuda(name: str) -> None:
+    """Exit cleanly (status 0) when there is no GPU, so the script can be smoke-run."""
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA device; none found, nothing measured.")
+        sys.exit(0)
+
+
+def time_per_call_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Wall time per call in ms over `iters` back-to-back calls, synchronised at the ends
+    only: for host-bound work this is the host cost, for GPU-bound work the GPU time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
+    cells = [header] + [[_fmt(value) for value in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for index, row in enumerate(cells):
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **payload,
+    }
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return path

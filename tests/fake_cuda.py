@@ -1,0 +1,87 @@
+"""A fake CUDA backend that records "kernels" at capture and re-runs them at replay, so
+the breakable-capture protocol can be tested on a machine without a GPU."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+
+class FakeStream:
+    def __init__(self, backend: FakeBackend, name: str) -> None:
+        self.backend = backend
+        self.name = name
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.backend.log.append(f"{self.name}<-{other.name}")
+
+
+class FakeSegment:
+    def __init__(self, backend: FakeBackend) -> None:
+        self.backend = backend
+        self.kernels: list[Callable[[], None]] = []
+        self.was_reset = False
+
+    def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+        assert self.backend.recording is None, "capture_begin while another segment records"
+        self.backend.recording = self
+        self.backend.log.append(f"begin(pool={pool},mode={capture_error_mode})")
+
+    def capture_end(self) -> None:
+        assert self.backend.recording is self
+        self.backend.recording = None
+        self.backend.log.append("end")
+        if not self.kernels:
+            warnings.warn("The CUDA Graph is empty. This usually means ...", stacklevel=2)
+
+    def replay(self) -> None:
+        self.backend.log.append("replay")
+        for kernel in self.kernels:
+            kernel()
+
+    def reset(self) -> None:
+        self.was_reset = True
+
+
+class FakeStreamContext:
+    def __init__(self, backend: FakeBackend, stream: FakeStream) -> None:
+        self.backend, self.stream, self.previous = backend, stream, None
+
+    def __enter__(self):
+        self.previous, self.backend.stream = self.backend.stream, self.stream
+
+    def __exit__(self, *exc):
+        self.backend.stream = self.previous
+
+
+class FakeBackend:
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.recording: FakeSegment | None = None
+        self.stream = FakeStream(self, "default")
+        self.segments: list[FakeSegment] = []
+        self.pools = 0
+
+    def launch(self, kernel: Callable[[], None]) -> None:
+        """Record a kernel while capturing (not run, like CUDA), else run it now."""
+        if self.recording is not None:
+            self.recording.kernels.append(kernel)
+        else:
+            kernel()
+
+    def new_segment(self) -> FakeSegment:
+        self.segments.append(FakeSegment(self))
+        return self.segments[-1]
+
+    def graph_pool_handle(self):
+        self.pools += 1
+        return ("pool", self.pools)
+
+    def new_stream(self) -> FakeStream:
+        return FakeStream(self, "capture")
+
+    def current_stream(self) -> FakeStream:
+        return self.stream
+
+    def stream_context(self, stream: FakeStream) -> FakeStreamContext:
+        return FakeStreamContext(self, stream)
