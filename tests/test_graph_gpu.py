@@ -168,6 +168,29 @@ def test_break_graph_nested_break_stub_and_barrier():
     assert out.tolist() == [2.0] * 4
 
 
+def test_empty_segments_first_between_and_last():
+    x = torch.ones(4, device="cuda")
+    out = torch.empty_like(x)
+
+    def region():
+        break_graph()
+        break_graph()
+        shifted_softmax_into(x, out)
+        y = out * 4
+        break_graph()
+        return y
+
+    graph, y = capture(region)
+    assert (graph.num_segments, graph.num_breaks) == (1, 4)
+    second, z = capture(lambda: x * 3, pool=graph.pool())  # the pool is still usable
+    x.fill_(2.0)
+    graph.replay()
+    second.replay()
+    assert y.tolist() == [1.0] * 4 and z.tolist() == [6.0] * 4
+    graph.reset()
+    second.replay()
+
+
 def test_exception_during_capture_then_fresh_capture():
     @eager_on_graph
     def boom(t):

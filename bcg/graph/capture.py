@@ -154,10 +154,7 @@ class BreakableCUDAGraphCapture:
         for side_stream in self._side_streams:
             self.stream.wait_stream(side_stream)
         segment, self._segment = self._segment, None
-        if _end_and_check_empty(segment):
-            segment.reset()
-        else:
-            self.graph._add_segment(segment)
+        self.graph._add_segment(segment, empty=_end_and_check_empty(segment))
 
     def _abort(self) -> None:
         segment, self._segment = self._segment, None
@@ -166,7 +163,7 @@ class BreakableCUDAGraphCapture:
                 segment.capture_end()
             except Exception:  # the capture may already be invalid; the original error wins
                 pass
-            segment.reset()
+            self.graph._add_segment(segment, empty=True)
         self.graph.reset()
 
     def _unwind(self) -> None:

@@ -23,6 +23,9 @@ class BreakableCUDAGraph:
 
     def __init__(self) -> None:
         self._segments: list[Any] = []
+        # Empty segments are never replayed but stay alive until reset(): releasing one
+        # early would release its hold on the shared memory pool mid-capture.
+        self._empty_segments: list[Any] = []
         self._steps: list[Callable[[], None]] = []
         self._labels: list[str] = []
         self._pool: Any = None
@@ -67,11 +70,14 @@ class BreakableCUDAGraph:
 
     def reset(self) -> None:
         """Release every segment and break so the graph can be captured again."""
-        for segment in self._segments:
+        for segment in self._segments + self._empty_segments:
             segment.reset()
         self.__init__()
 
-    def _add_segment(self, segment: Any) -> None:
+    def _add_segment(self, segment: Any, empty: bool) -> None:
+        if empty:
+            self._empty_segments.append(segment)
+            return
         self._segments.append(segment)
         self._steps.append(segment.replay)
         self._labels.append(f"segment {self._num_breaks}")
