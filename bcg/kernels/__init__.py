@@ -1,0 +1,23 @@
+"""Triton kernels: paged attention, the KV-cache store and small fused ops.
+
+One concept per module; each exposes plain functions over torch tensors:
+
+- ``decode_attention``: one new token per sequence over the paged cache (split-KV, graph-safe)
+- ``extend_attention``: a varlen batch of new tokens over a paged prefix, causal on themselves
+- ``kv_store``: write new keys/values into their cache slots
+- ``rmsnorm``: RMSNorm, optionally fused with the residual add
+- ``rotary``: neox-style rotary embedding in place, and its cos/sin cache (Llama-3 scaling)
+- ``activation``: SiLU-and-mul
+
+On a machine without CUDA, importing this package turns on Triton's interpreter
+(``TRITON_INTERPRET=1``) unless the variable is already set, so the same kernels run on CPU
+tensors (slowly: tests only). Triton reads the variable when a kernel is defined, so import
+``bcg.kernels`` before any module that defines Triton kernels of its own.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,278 @@
+"""Paged decode attention: one new token per sequence, split-KV, safe inside a CUDA graph.
+
+Each sequence's KV range is cut into ``num_splits`` chunks so that one long sequence still
+fills the GPU. The split count is fixed per batch size (``plan_decode``) and the chunk length
+is computed on the GPU from ``seq_lens``, so the grid never depends on data: a captured graph
+replays correctly with any lengths and block tables. Stage one writes a normalised partial
+output and its log-sum-exp per split; stage two merges them. A row whose ``seq_len`` is 0 (a
+padded slot of a graph bucket) reads nothing and leaves its output untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from bcg.kernels._attention_tile import attend_kv_range
+from bcg.kernels._launch import (
+    PROGRAMS_PER_SM,
+    multiprocessor_count,
+    paged_cache_geometry,
+    require_last_dim_contiguous,
+    require_same_device,
+)
+
+LOG2_E = 1.4426950408889634
+# More splits than this only adds merge work: each chunk would be a single tile.
+MAX_SPLITS = 64
+# tl.dot needs at least 16 rows; the GQA group of one KV head is padded up to this.
+MIN_DOT_ROWS = 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shape of the split kernel: KV tokens per step, warps, pipeline stages."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_decode_config(device: torch.device) -> DecodeConfig:
+    """Tuned on an H100; small tiles in the interpreter so tests cover several tiles."""
+    if device.type != "cuda":
+        return DecodeConfig(block_n=16, num_warps=1, num_stages=1)
+    return DecodeConfig()
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Split count and merge workspace for one batch size, reusable by every layer and step.
+
+    ``partial_out`` is fp32 ``[max_batch, num_heads, num_splits, head_dim]`` and
+    ``partial_lse`` fp32 ``[max_batch, num_heads, num_splits]`` (log2 units). Nothing in it
+    depends on sequence lengths, so a graph runner builds one per captured batch size.
+    """
+
+    num_splits: int
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    config: DecodeConfig
+
+    @property
+    def max_batch(self) -> int:
+        return self.partial_out.shape[0]
+
+
+def plan_decode(
+    batch_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device | str,
+    config: DecodeConfig | None = None,
+) -> DecodePlan:
+    """Choose the split count for ``batch_size`` rows and allocate the merge workspace.
+
+    Splits are chosen so that ``batch_size * num_kv_heads * num_splits`` programs cover every
+    multiprocessor a few times over, capped at ``MAX_SPLITS``.
+    """
+    device = torch.device(device)
+    config = config or default_decode_config(device)
+    target_programs = PROGRAMS_PER_SM * multiprocessor_count(device)
+    num_splits = min(MAX_SPLITS, max(1, triton.cdiv(target_programs, batch_size * num_kv_heads)))
+    partial_out = torch.empty(
+        batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
+    )
+    partial_lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=device)
+    return DecodePlan(num_splits, partial_out, partial_lse, config)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV (new token included).
+
+    Args:
+        q: ``[batch, num_heads, head_dim]`` bf16/fp16/fp32, last dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
+        seq_lens: int32 ``[batch]``, KV length of each row including the new token; 0 marks
+            a padded row, which is skipped.
+        block_tables: int32 ``[batch, max_blocks]``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: ``[batch, num_heads, head_dim]`` to write into (allocated if None).
+        plan: from ``plan_decode`` for at least ``batch`` rows; built here if None (that
+            allocates, so pass one inside graph capture and on hot paths).
+
+    Returns ``out``. No host synchronisation: safe to capture in a CUDA graph.
+    """
+    block_size, num_kv_heads, group = paged_cache_geometry(q, k_cache, v_cache)
+    batch, num_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    require_last_dim_contiguous("out", out)
+    require_same_device(q=q, k_cache=k_cache, seq_lens=seq_lens, block_tables=block_tables)
+    if plan is None:
+        plan = plan_decode(batch, num_heads, num_kv_heads, head_dim, q.device)
+    if plan.max_batch < batch or plan.partial_out.shape[1:] != (
+        num_heads, plan.num_splits, head_dim
+    ):
+        raise ValueError(
+            f"plan is for {tuple(plan.partial_out.shape)} [batch, heads, splits, head_dim], "
+            f"too small or mismatched for q {tuple(q.shape)}: build it with plan_decode()"
+        )
+    single_split = plan.num_splits == 1
+    stage_out, stage_lse = (out, out) if single_split else (plan.partial_out, plan.partial_lse)
+    split_stride_out = 0 if single_split else stage_out.stride(2)
+    lse_strides = (0, 0) if single_split else plan.partial_lse.stride()[:2]
+    config = plan.config
+    _decode_split_kernel[(batch, num_kv_heads, plan.num_splits)](
+        q, k_cache, v_cache, seq_lens, block_tables, stage_out, stage_lse,
+        scale * LOG2_E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        stage_out.stride(0), stage_out.stride(1), split_stride_out,
+        *lse_strides,
+        GROUP=group,
+        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        PAGE=block_size,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=plan.num_splits,
+        WRITE_FINAL=single_split,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if not single_split:
+        _decode_merge_kernel[(batch, num_heads)](
+            plan.partial_out, plan.partial_lse, seq_lens, out,
+            plan.partial_out.stride(0), plan.partial_out.stride(1),
+            plan.partial_lse.stride(0), plan.partial_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_N=config.block_n,
+            NUM_SPLITS=plan.num_splits,
+            SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+        )
+    return out
+
+
+@triton.jit
+def _split_chunk(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KV tokens per split: an even share of ``seq_len`` rounded up to whole tiles."""
+    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, lse_ptr,
+    scale_log2,
+    stride_q_tok, stride_q_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_table,
+    stride_out_tok, stride_out_head, stride_out_split,
+    stride_lse_tok, stride_lse_head,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    WRITE_FINAL: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    chunk = _split_chunk(seq_len, NUM_SPLITS, BLOCK_N)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start >= end:
+        return
+
+    group_idx = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + group_idx
+    head_mask = group_idx < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + row * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    )
+    table_ptr = block_tables_ptr + row.to(tl.int64) * stride_table
+    head_offset = kv_head * stride_cache_head
+    # Every row sees the whole chunk: only the ragged last tile needs a mask.
+    last_pos = tl.full([BLOCK_H], 0, tl.int32) + end - 1
+    whole_tiles_end = start + (end - start) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = attend_kv_range(
+        acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+        start, whole_tiles_end, scale_log2, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, PAGE, BLOCK_N, False,
+    )
+    acc, l_i, m_i = attend_kv_range(
+        acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+        whole_tiles_end, end, scale_log2, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, PAGE, BLOCK_N, True,
+    )
+
+    out_offsets = row * stride_out_tok + heads * stride_out_head + split * stride_out_split
+    out_ptrs = out_ptr + out_offsets[:, None] + dims[None, :]
+    result = acc / l_i[:, None]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    if not WRITE_FINAL:
+        lse_offsets = row * stride_lse_tok + heads * stride_lse_head + split
+        tl.store(lse_ptr + lse_offsets, m_i + tl.log2(l_i), mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
+    stride_part_tok, stride_part_head,
+    stride_lse_tok, stride_lse_head,
+    stride_out_tok, stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + row)
+    if seq_len == 0:
+        return
+    num_used = tl.cdiv(seq_len, _split_chunk(seq_len, NUM_SPLITS, BLOCK_N))
+    splits = tl.arange(0, SPLITS_PAD)
+    used = splits < num_used
+    dims = tl.arange(0, HEAD_DIM)
+    lse_ptrs = partial_lse_ptr + row * stride_lse_tok + head * stride_lse_head + splits
+    lse = tl.load(lse_ptrs, mask=used, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    partial = tl.load(
+        partial_out_ptr
+        + row * stride_part_tok
+        + head * stride_part_head
+        + splits[:, None] * HEAD_DIM
+        + dims[None, :],
+        mask=used[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(partial * weights[:, None], 0)
+    out_ptrs = out_ptr + row * stride_out_tok + head * stride_out_head + dims
+    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))

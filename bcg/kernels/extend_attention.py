@@ -1,0 +1,191 @@
+"""Extend (prefill) attention: a varlen batch of new tokens over each sequence's paged KV.
+
+The new tokens' keys and values must already be in the cache (``store_kv`` first). Token i
+of a sequence with ``q_len`` new tokens and ``seq_len`` KV positions sees positions
+``<= seq_len - q_len + i``: the cached prefix whole, the new tokens causally.
+
+One program handles one KV head and a tile of ``BLOCK_M // group`` consecutive tokens of one
+sequence with all ``group`` query heads that share that KV head, so each KV tile is read once
+per group. Programs find their (sequence, token tile) from ``cu_seqlens_q`` on the GPU, so
+there is no per-step metadata to build: the grid depends only on tensor shapes (an upper
+bound on the tile count), the call never synchronises with the host and is safe to capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from bcg.kernels._attention_tile import attend_kv_range
+from bcg.kernels._launch import (
+    paged_cache_geometry,
+    require_last_dim_contiguous,
+    require_same_device,
+)
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tile shape: query rows (tokens x group heads) and KV tokens per step, warps, stages."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_extend_config(device: torch.device) -> ExtendConfig:
+    """Tuned on an H100; small tiles in the interpreter so tests cover several tiles."""
+    if device.type != "cuda":
+        return ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+    return ExtendConfig()
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' paged KV (prefix + themselves).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` bf16/fp16/fp32, last dim contiguous. Tokens
+            past ``cu_seqlens_q[-1]`` (padding of a graph bucket) are ignored.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, holding the
+            new tokens' keys/values too.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``, new-token offsets of each sequence in ``q``.
+        seq_lens: int32 ``[num_seqs]``, KV length of each sequence including its new tokens.
+        block_tables: int32 ``[num_seqs, max_blocks]``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: ``[num_tokens, num_heads, head_dim]`` to write into (allocated if None); rows of
+            padding tokens are left untouched.
+        config: tile shape override (tuning); the default suits the device.
+
+    Returns ``out``.
+    """
+    block_size, num_kv_heads, group = paged_cache_geometry(q, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    require_last_dim_contiguous("out", out)
+    require_same_device(q=q, k_cache=k_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
+    config = config or default_extend_config(q.device)
+    if group > config.block_m:
+        raise ValueError(
+            f"{group} query heads per KV head exceed the tile of {config.block_m} rows; "
+            "pass an ExtendConfig with a larger block_m"
+        )
+    num_seqs = seq_lens.shape[0]
+    tokens_per_tile = config.block_m // group
+    # Every sequence wastes at most one partial tile, so this bounds the tile count.
+    max_tiles = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs
+    _extend_kernel[(max_tiles, num_kv_heads)](
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
+        scale * LOG2_E, num_seqs, max_tiles,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group,
+        TOKENS_PER_TILE=tokens_per_tile,
+        SEQS_PAD=max(2, triton.next_power_of_2(num_seqs)),
+        HEAD_DIM=head_dim,
+        PAGE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _pick(values, index_vec, index):
+    """``values[index]`` of a small vector, as a scalar."""
+    return tl.sum(tl.where(index_vec == index, values, 0), 0)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, out_ptr,
+    scale_log2, num_seqs, max_tiles,
+    stride_q_tok, stride_q_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_table,
+    stride_out_tok, stride_out_head,
+    GROUP: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    SEQS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Reverse order: a sequence's last tiles see the most KV, so they start first.
+    tile = max_tiles - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seqs = tl.arange(0, SEQS_PAD)
+    is_seq = seqs < num_seqs
+    q_starts = tl.load(cu_seqlens_q_ptr + seqs, mask=is_seq, other=0)
+    q_lens = tl.load(cu_seqlens_q_ptr + seqs + 1, mask=is_seq, other=0) - q_starts
+    tiles_per_seq = tl.cdiv(q_lens, TOKENS_PER_TILE)
+    tiles_through = tl.cumsum(tiles_per_seq, 0)
+    seq = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    if seq >= num_seqs:
+        return
+    first_token = (tile - _pick(tiles_through - tiles_per_seq, seqs, seq)) * TOKENS_PER_TILE
+    q_start = _pick(q_starts, seqs, seq)
+    q_len = _pick(q_lens, seqs, seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tokens = first_token + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < TOKENS_PER_TILE * GROUP) & (tokens < q_len)
+    dims = tl.arange(0, HEAD_DIM)
+    token_rows = (q_start + tokens).to(tl.int64)
+    q = tl.load(
+        q_ptr + token_rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    q_pos = prefix_len + tokens
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    head_offset = kv_head * stride_cache_head
+    # Positions up to prefix_len + first_token are visible to every row: no mask there.
+    unmasked_end = (prefix_len + first_token + 1) // BLOCK_N * BLOCK_N
+    kv_end = prefix_len + tl.minimum(first_token + TOKENS_PER_TILE, q_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = attend_kv_range(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+        0, unmasked_end, scale_log2, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, PAGE, BLOCK_N, False,
+    )
+    acc, l_i, m_i = attend_kv_range(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+        unmasked_end, kv_end, scale_log2, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, PAGE, BLOCK_N, True,
+    )
+
+    out_ptrs = (
+        out_ptr + token_rows[:, None] * stride_out_tok + heads[:, None] * stride_out_head
+        + dims[None, :]
+    )
+    result = acc / l_i[:, None]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
