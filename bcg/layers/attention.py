@@ -1,0 +1,58 @@
+"""The attention op: the one place a forward pass reads per-step state, hence the graph break.
+
+`attention(q, k, v, output, layer_id)` stores the new K/V of the live tokens into the paged
+cache and writes their attention into `output`. Everything that changes per step comes from
+the forward context, so a breakable graph can replay it with its capture-time arguments.
+Rows past the batch's real token count (graph padding) are neither read nor cached.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bcg.graph import eager_on_graph, is_in_breakable_cuda_graph
+from bcg.layers.attention_ref import paged_attention_ref, store_kv
+from bcg.runner.context import get_forward_context
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_id: int
+) -> None:
+    """q, output `[T, H, D]`, k, v `[T, KVH, D]`, T >= the live token count."""
+    context = get_forward_context()
+    batch = context.batch
+    n = batch.num_tokens
+    k_cache, v_cache = context.kv_cache.layer(layer_id)
+    store_kv(k[:n], v[:n], k_cache, v_cache, batch.slot_mapping[:n])
+    paged_attention_ref(
+        q[:n],
+        k_cache,
+        v_cache,
+        batch.cu_seqlens_q,
+        batch.seq_lens,
+        batch.block_tables,
+        context.attention_scales[layer_id],
+        out=output[:n],
+    )
+
+
+attention_break = eager_on_graph(attention)
+
+
+class Attention(nn.Module):
+    """Paged causal attention of one layer; q, k, v arrive already projected and rotated."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        output = torch.empty_like(q)
+        op = attention_break if is_in_breakable_cuda_graph() else attention
+        op(q, k, v, output, self.layer_id)
+        return output

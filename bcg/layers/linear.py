@@ -1,0 +1,32 @@
+"""Linear projections; a merged one runs several projections of one input as one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """`y = x W^T + b`, with `W` the concatenation of `output_sizes` row blocks (shards).
+
+    Merging q|k|v or gate|up into one weight saves kernel launches; checkpoints still hold
+    the shards separately, so `load_shard` writes one of them.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.output_sizes = output_sizes
+        self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(sum(output_sizes)), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, param_name: str, shard: int, loaded: torch.Tensor) -> None:
+        """Copy `loaded` into row block `shard` of `weight` or `bias`."""
+        start = sum(self.output_sizes[:shard])
+        param = getattr(self, param_name)
+        param.data[start : start + self.output_sizes[shard]].copy_(loaded)

@@ -1,0 +1,1 @@
+"""Weights and tokenizers: Hugging Face folders, GGUF files, dummy weights for presets."""

@@ -1,0 +1,114 @@
+"""GGUF files (llama.cpp): config from the metadata, tensors dequantised to fp32."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+# GGUF `general.architecture` -> Hugging Face architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def read_gguf_config(reader: GGUFReader) -> dict:
+    """The Hugging Face `config.json` equivalent of the file's metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF files with baked rope frequencies (Llama 3.1 rope scaling) are "
+                         "not supported: use the Hugging Face safetensors folder instead")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": _field(reader, f"{arch}.embedding_length"),
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", None),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
+    }
+
+
+def iter_gguf_tensors(reader: GGUFReader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor, dequantised to fp32, under its Hugging Face name."""
+    permute_qk = config["architectures"][0] == "LlamaForCausalLM"
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        if permute_qk and ".q_proj." in name:
+            weight = unpermute_rope_rows(weight, config["num_attention_heads"])
+        elif permute_qk and ".k_proj." in name:
+            weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
+        yield name, weight
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in our models")
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's conversion, which interleaves the two rotary halves of each head's rows
+    (its rotary pairs adjacent dimensions; ours pairs dimension i with i + head_dim / 2)."""
+    return weight.reshape(num_heads, -1, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    return GGUFReader(str(path))
+
+
+_MISSING = object()
+
+
+def _field(reader: GGUFReader, key: str, default=_MISSING):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()

@@ -1,0 +1,1 @@
+"""Model architectures, their shared interface, the architecture registry and presets."""

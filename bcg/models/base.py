@@ -1,0 +1,85 @@
+"""The interface every model implements; graph runners rely on nothing else.
+
+- `forward(input_ids, positions)` is the transformer stack: token embedding in, final-norm
+  hidden states out. Every op in it is token-wise except attention, so a graph captured
+  for N tokens serves any batch of N tokens.
+- `compute_logits(hidden_states)` is the head, run only on the rows to sample.
+- `load_weights(named_tensors)` takes Hugging Face parameter names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from bcg.layers.linear import Linear
+from bcg.models.config import ModelConfig
+
+
+class CausalLM(nn.Module, ABC):
+    # Checkpoint projection name -> (our merged projection, shard index).
+    packed_modules: dict[str, tuple[str, int]] = {}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`[T]` token ids and positions -> `[T, hidden]` final hidden states."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[S, hidden]` -> `[S, vocab]` logits."""
+
+    def ignores_weight(self, name: str) -> bool:
+        """Checkpoint entries that have no parameter here (e.g. a head tied to the embedding)."""
+        return False
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters; raise if any parameter is left unset."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        expected = self._expected_weight_keys(modules, params)
+        loaded = set()
+        for name, tensor in named_tensors:
+            if self.ignores_weight(name):
+                continue
+            key = self._load_one(name, tensor, modules, params)
+            loaded.add(key)
+        missing = sorted(str(k) for k in expected - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks weights for: {', '.join(missing[:8])} ...")
+
+    def _load_one(self, name: str, tensor: torch.Tensor, modules: dict, params: dict):
+        module_path, _, param_name = name.rpartition(".")
+        prefix, _, leaf = module_path.rpartition(".")
+        if leaf in self.packed_modules:
+            merged, shard = self.packed_modules[leaf]
+            module = modules[f"{prefix}.{merged}"]
+            module.load_shard(param_name, shard, tensor)
+            return (f"{prefix}.{merged}.{param_name}", shard)
+        if name not in params:
+            raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.copy_(tensor)
+        return (name, None)
+
+    def _expected_weight_keys(self, modules: dict, params: dict) -> set:
+        merged = {m for m, _ in self.packed_modules.values()}
+        keys = set()
+        for name in params:
+            module_path, _, param_name = name.rpartition(".")
+            module = modules[module_path]
+            if module_path.rpartition(".")[2] in merged and isinstance(module, Linear):
+                keys.update((name, shard) for shard in range(len(module.output_sizes)))
+            else:
+                keys.add((name, None))
+        return keys

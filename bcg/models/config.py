@@ -1,0 +1,67 @@
+"""The model hyper-parameters we use, parsed from a Hugging Face `config.json` dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> ModelConfig:
+        architectures = hf.get("architectures") or []
+        if len(architectures) != 1:
+            raise ValueError(
+                f"config.json must name exactly one architecture, got {architectures!r}"
+            )
+        heads = hf["num_attention_heads"]
+        rope_theta, rope_scaling = _parse_rope(hf)
+        return cls(
+            architecture=architectures[0],
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            rope_scaling=rope_scaling,
+            eos_token_ids=_as_list(hf.get("eos_token_id")),
+        )
+
+
+def _parse_rope(hf: dict) -> tuple[float, dict | None]:
+    """Both layouts: transformers 5 `rope_parameters`, and 4.x `rope_theta` + `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return theta, (None if rope_type == "default" else params)
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]

@@ -1,0 +1,139 @@
+"""Llama family (Llama 2/3, SmolLM2, ...); Qwen2 and Qwen3 reuse it with their two changes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bcg.layers.activation import SiluAndMul
+from bcg.layers.attention import Attention
+from bcg.layers.embedding import Embedding, LMHead
+from bcg.layers.linear import Linear
+from bcg.layers.norm import RMSNorm
+from bcg.layers.rotary import RotaryEmbedding
+from bcg.models.base import CausalLM
+from bcg.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, [config.hidden_size], bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, self_attn: LlamaAttention, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm.add_and_norm(
+            hidden_states, residual
+        )
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                LlamaAttention(config, layer_id, self.rotary, qkv_bias, qk_norm), config
+            )
+            for layer_id in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(CausalLM):
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qkv_bias = False  # Qwen2 always has q, k, v biases; Llama only with `attention_bias`
+    qk_norm = False  # Qwen3 normalises each head of q and k before rotary
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config, self.qkv_bias or config.attention_bias, self.qk_norm)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def ignores_weight(self, name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq") or (
+            name == "lm_head.weight" and self.config.tie_word_embeddings
+        )

@@ -1,0 +1,81 @@
+"""Configs of well-known models, to run them with dummy weights (no download needed)."""
+
+from __future__ import annotations
+
+_QWEN3_COMMON = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 151936,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "eos_token_id": 151645,
+}
+
+PRESETS: dict[str, dict] = {
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "eos_token_id": 151645,
+    },
+    "qwen3-0.6b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-8b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "llama3-8b": {  # Llama 3.1 8B
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "eos_token_id": [128001, 128008, 128009],
+    },
+}

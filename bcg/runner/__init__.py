@@ -1,0 +1,1 @@
+"""Turns scheduled sequences into forward batches and runs the model on them."""

@@ -1,0 +1,207 @@
+"""ModelRunner: owns the model and the KV cache; turns scheduled sequences into tokens.
+
+One step is `prepare` (scheduled sequences -> ForwardBatch), `forward` (the transformer
+stack under the forward context; graph runners replace this part), then the head on the
+rows to sample and the sampler. The runner knows sequences only through `ScheduledSequence`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from bcg.config import EngineConfig
+from bcg.layers.attention import Attention
+from bcg.layers.sampler import Sampler, SamplingBatch
+from bcg.loader.model_loader import load_model
+from bcg.loader.model_source import ModelSource
+from bcg.runner.context import ForwardContext, set_forward_context
+from bcg.runner.forward_batch import ForwardBatch
+from bcg.runner.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class SamplingOptions(Protocol):
+    temperature: float
+    top_k: int  # 0 or less = off
+    top_p: float
+
+
+class ScheduledSequence(Protocol):
+    token_ids: list[int]
+    num_computed_tokens: int  # tokens whose K/V are already in the cache
+    block_table: list[int]
+    sampling_params: SamplingOptions
+    generator: torch.Generator | None
+
+
+def samples_this_step(seq: ScheduledSequence, num_new_tokens: int) -> bool:
+    """A sequence samples once its last known token is computed (not after a partial chunk)."""
+    return seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = load_model(source, self.dtype, self.device, config.seed)
+        self.model_config = source.config
+        self.attention_scales = self._attention_scales()
+        self.sampler = Sampler()
+        self.kv_cache = self._allocate_kv_cache(config, max_model_len)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @torch.inference_mode()
+    def execute(self, seqs: Sequence[ScheduledSequence], num_new_tokens: list[int]) -> list[int]:
+        """Run one step; return the sampled token of each sequence that samples, in order."""
+        batch = self.prepare(seqs, num_new_tokens)
+        hidden_states = self.forward(batch)
+        sampling = [s for s, n in zip(seqs, num_new_tokens, strict=True) if samples_this_step(s, n)]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden_states[batch.sample_indices])
+        return self.sampler(logits, self.sampling_batch(sampling)).tolist()
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The transformer stack on a forward batch: `[num_tokens, hidden]` hidden states."""
+        context = ForwardContext(batch, self.kv_cache, self.attention_scales)
+        with set_forward_context(context):
+            return self.model(batch.input_ids, batch.positions)
+
+    def prepare(self, seqs: Sequence[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
+        input_ids, positions, slots, seq_lens, sample_indices = [], [], [], [], []
+        cu_seqlens_q = [0]
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self._slots(seq.block_table, start, end)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+            seq_lens.append(end)
+            if samples_this_step(seq, n):
+                sample_indices.append(cu_seqlens_q[-1] - 1)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = [s.block_table + [-1] * (max_blocks - len(s.block_table)) for s in seqs]
+        return ForwardBatch(
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
+            slot_mapping=self._to_device(slots, torch.int64),
+            cu_seqlens_q=self._to_device(cu_seqlens_q, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(block_tables, torch.int32),
+            sample_indices=self._to_device(sample_indices, torch.int64),
+            num_tokens=len(input_ids),
+            num_seqs=len(seqs),
+            max_seqlen_q=max(num_new_tokens),
+            max_seq_len=max(seq_lens),
+        )
+
+    def sampling_batch(self, seqs: Sequence[ScheduledSequence]) -> SamplingBatch:
+        params = [seq.sampling_params for seq in seqs]
+        vocab_size = self.model_config.vocab_size
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        return SamplingBatch(
+            temperatures=self._to_device([p.temperature for p in params], torch.float32),
+            top_k=self._to_device(top_k, torch.int64),
+            top_p=self._to_device([p.top_p for p in params], torch.float32),
+            generators=[seq.generator for seq in seqs],
+            all_greedy=all(p.temperature == 0 for p in params),
+            any_top_k_top_p=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
+        )
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+    def _attention_scales(self) -> list[float]:
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        assert [layer.layer_id for layer in layers] == list(range(len(layers)))
+        return [layer.scale for layer in layers]
+
+    def _allocate_kv_cache(self, config: EngineConfig, max_model_len: int) -> KVCache:
+        num_blocks = self._num_kv_blocks(config, max_model_len)
+        capacity = num_blocks * self.block_size
+        if capacity < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len={max_model_len}: "
+                "raise gpu_memory_utilization or kv_cache_tokens, or lower max_model_len"
+            )
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
+                    self.block_size, capacity)
+        return self._new_kv_cache(num_blocks)
+
+    def _new_kv_cache(self, num_blocks: int) -> KVCache:
+        c = self.model_config
+        return KVCache(c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads,
+                       c.head_dim, self.dtype, self.device)
+
+    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+        if config.kv_cache_tokens is not None:
+            return -(-config.kv_cache_tokens // self.block_size)
+        if self.device.type != "cuda":
+            return -(-max_model_len // self.block_size)
+        c = self.model_config
+        block_bytes = KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
+                                              c.num_key_value_heads, c.head_dim, self.dtype)
+        return self._free_kv_bytes(config) // block_bytes
+
+    def _free_kv_bytes(self, config: EngineConfig) -> int:
+        """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now
+        (weights, other processes), minus the peak activations of the largest step."""
+        activation_bytes = self._profile_activation_bytes(
+            config.max_num_batched_tokens, config.max_num_seqs
+        )
+        free, total = torch.cuda.mem_get_info(self.device)
+        allowed = int(total * config.gpu_memory_utilization)
+        return max(0, allowed - (total - free) - activation_bytes)
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self, num_tokens: int, max_num_seqs: int) -> int:
+        """Peak extra memory of the largest step: a forward of `num_tokens` prompt tokens of
+        one sequence (the largest attention), then sampling `max_num_seqs` rows with top-p."""
+        num_blocks = -(-num_tokens // self.block_size)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.kv_cache = self._new_kv_cache(num_blocks)
+        seq = _ProfileSequence(num_tokens, list(range(num_blocks)))
+        hidden_states = self.forward(self.prepare([seq], [num_tokens]))
+        rows = min(max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden_states[:rows])
+        self.sampler(logits, self.sampling_batch([seq] * rows))
+        torch.cuda.synchronize(self.device)
+        del self.kv_cache, hidden_states, logits
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak - before
+
+
+@dataclass
+class _ProfileSamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.9
+
+
+class _ProfileSequence:
+    """A prompt of `num_tokens` zeros, just enough of a sequence for `prepare` and sampling."""
+
+    def __init__(self, num_tokens: int, block_table: list[int]) -> None:
+        self.token_ids = [0] * num_tokens
+        self.num_computed_tokens = 0
+        self.block_table = block_table
+        self.sampling_params = _ProfileSamplingParams()
+        self.generator = None
