@@ -4,6 +4,8 @@ This layer depends on torch only and knows nothing about language models.
 """
 
 from bcg.graph.breaks import break_graph, eager_on_graph, fork_stream
+from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
+from bcg.graph.buffers import FillContext, GraphBufferRegistry, GraphSlot, PaddingPolicy
 from bcg.graph.capture import BreakableCUDAGraphCapture, current_capture
 from bcg.graph.context import (
     enable_breakable_cuda_graph,
@@ -17,8 +19,13 @@ from bcg.graph.graph import BreakableCUDAGraph, GraphReplayError
 __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
+    "FillContext",
+    "GraphBufferRegistry",
     "GraphReplayError",
+    "GraphSlot",
+    "PaddingPolicy",
     "break_graph",
+    "clear_shared_buffers",
     "copy_output",
     "current_capture",
     "eager_on_graph",
@@ -27,4 +34,5 @@ __all__ = [
     "get_current_replay_token",
     "get_current_stream",
     "is_in_breakable_cuda_graph",
+    "share_buffer",
 ]
