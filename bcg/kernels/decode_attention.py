@@ -74,16 +74,20 @@ def plan_decode(
     head_dim: int,
     device: torch.device | str,
     config: DecodeConfig | None = None,
+    num_splits: int | None = None,
 ) -> DecodePlan:
     """Choose the split count for ``batch_size`` rows and allocate the merge workspace.
 
-    Splits are chosen so that ``batch_size * num_kv_heads * num_splits`` programs cover every
-    multiprocessor a few times over, capped at ``MAX_SPLITS``.
+    By default splits are chosen so that ``batch_size * num_kv_heads * num_splits`` programs
+    cover every multiprocessor a few times over, capped at ``MAX_SPLITS``; ``num_splits`` and
+    ``config`` override the choice (tuning, tests).
     """
     device = torch.device(device)
     config = config or default_decode_config(device)
-    target_programs = PROGRAMS_PER_SM * multiprocessor_count(device)
-    num_splits = min(MAX_SPLITS, max(1, triton.cdiv(target_programs, batch_size * num_kv_heads)))
+    if num_splits is None:
+        target_programs = PROGRAMS_PER_SM * multiprocessor_count(device)
+        num_splits = triton.cdiv(target_programs, batch_size * num_kv_heads)
+        num_splits = min(MAX_SPLITS, max(1, num_splits))
     partial_out = torch.empty(
         batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
     )

@@ -1,0 +1,47 @@
+"""SiLU-and-mul: the gated activation of Llama/Qwen MLPs in one pass."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bcg.kernels._launch import require_last_dim_contiguous
+
+BLOCK = 1024
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]``, computed in fp32.
+
+    Args:
+        x: ``[num_tokens, 2 * intermediate]``, last dim contiguous.
+        out: ``[num_tokens, intermediate]`` in ``x.dtype`` (allocated if None).
+
+    Returns ``out``.
+    """
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [num_tokens, 2 * intermediate], got {tuple(x.shape)}")
+    num_tokens, width = x.shape
+    intermediate = width // 2
+    if out is None:
+        out = x.new_empty(num_tokens, intermediate)
+    require_last_dim_contiguous("x", x)
+    require_last_dim_contiguous("out", out)
+    if num_tokens == 0:
+        return out
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, BLOCK))](
+        x, out, intermediate, x.stride(0), out.stride(0), BLOCK=BLOCK
+    )
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate, stride_x, stride_out, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_x + intermediate + cols, mask=mask).to(tl.float32)
+    result = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + token * stride_out + cols, result.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,79 @@
+"""Write new tokens' keys and values into their paged-cache slots."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bcg.kernels._launch import require_last_dim_contiguous, require_same_device
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy ``k``, ``v`` into ``k_cache``, ``v_cache`` at ``slot_mapping``, in place.
+
+    Args:
+        k, v: ``[num_tokens, num_kv_heads, head_dim]``, last dim contiguous (views into a
+            fused qkv projection are fine).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype,
+            same strides, each token's heads contiguous.
+        slot_mapping: int64 ``[num_tokens]``, ``block_id * block_size + offset``; a negative
+            slot (padding) writes nothing.
+
+    One launch, no host synchronisation: safe to capture in a CUDA graph.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k {tuple(k.shape)} does not fit caches {tuple(k_cache.shape)} / "
+            f"{tuple(v_cache.shape)} [blocks, block_size, kv_heads, head_dim]"
+        )
+    block_size = k_cache.shape[1]
+    slots_dense = k_cache.stride(0) == block_size * k_cache.stride(1)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != head_dim or not slots_dense:
+        raise ValueError(
+            "k_cache and v_cache must share strides, with blocks, slots and heads contiguous "
+            f"(got strides {tuple(k_cache.stride())}); allocate them with torch.empty"
+        )
+    for name, tensor in (("k", k), ("v", v), ("k_cache", k_cache)):
+        require_last_dim_contiguous(name, tensor)
+    require_same_device(k=k, v=v, k_cache=k_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+    )
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_slot,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (heads < NUM_KV_HEADS)[:, None]
+    cache_offsets = slot * stride_slot + heads[:, None] * HEAD_DIM + dims[None, :]
+    k_offsets = token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :]
+    v_offsets = token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
+    tl.store(k_cache_ptr + cache_offsets, tl.load(k_ptr + k_offsets, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, tl.load(v_ptr + v_offsets, mask=mask), mask=mask)

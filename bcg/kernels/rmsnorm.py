@@ -1,0 +1,129 @@
+"""RMSNorm over the last dimension, optionally fused with the residual add before it.
+
+Rounding follows ``bcg.layers.norm.RMSNorm``: normalise in fp32, round to the input dtype,
+then scale by the weight; the fused residual sum is rounded before it is normalised.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bcg.kernels._launch import require_last_dim_contiguous
+
+# Elements per thread beyond which a row gets more warps.
+ELEMENTS_PER_THREAD = 8
+MAX_WARPS = 16
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dimension.
+
+    Args:
+        x: ``[rows, hidden]`` or ``[tokens, heads, head_dim]`` (per-head q/k norm), last dim
+            contiguous; other strides are free, so a view into a fused qkv tensor works.
+        weight: ``[hidden]``.
+        eps: added to the mean square.
+        out: same shape as ``x``, last dim contiguous (allocated if None; may be ``x``).
+
+    Returns ``out``.
+    """
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    _launch(x, None, weight, eps, out)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` in place, then ``out = rms_norm(residual)``, in one pass.
+
+    Args:
+        x, residual: ``[rows, hidden]``, same dtype, last dim contiguous.
+        weight: ``[hidden]``.
+        eps: added to the mean square.
+        out: ``[rows, hidden]`` (allocated if None; may be ``x``).
+
+    Returns ``(out, residual)``, matching ``RMSNorm.add_and_norm``.
+    """
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    _launch(x, residual, weight, eps, out)
+    return out, residual
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> None:
+    if x.dim() not in (2, 3) or out.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(
+            f"expected x [rows, hidden] or [tokens, heads, head_dim] with out of the same shape "
+            f"and weight [hidden]; got x {tuple(x.shape)}, out {tuple(out.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    for name, tensor in (("x", x), ("out", out), ("weight", weight)):
+        require_last_dim_contiguous(name, tensor)
+    hidden = x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    num_rows = x.numel() // hidden
+    if num_rows == 0:
+        return
+    # Without a residual the kernel never touches its pointer; x stands in for it.
+    residual_or_x = x if residual is None else residual
+    require_last_dim_contiguous("residual", residual_or_x)
+    block = triton.next_power_of_2(hidden)
+    num_warps = min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD)))
+    _rms_norm_kernel[(num_rows,)](
+        x, residual_or_x, weight, out, eps, hidden, heads,
+        *_row_strides(x), *_row_strides(residual_or_x), *_row_strides(out),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(token stride, head stride) of a 2D or 3D tensor; 2D rows have one 'head'."""
+    return (t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), 0)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, eps, hidden, heads,
+    stride_x_tok, stride_x_head,
+    stride_res_tok, stride_res_head,
+    stride_out_tok, stride_out_head,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    token = (row // heads).to(tl.int64)
+    head = row % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x_ptrs = x_ptr + token * stride_x_tok + head * stride_x_head + cols
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res_ptrs = residual_ptr + token * stride_res_tok + head * stride_res_head + cols
+        x = (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(
+            x.dtype
+        )
+        tl.store(res_ptrs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
+    normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + token * stride_out_tok + head * stride_out_head + cols
+    tl.store(out_ptrs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,101 @@
+"""Rotary position embedding, neox style (rotate halves, as HF Llama/Qwen), in place.
+
+The cos/sin tables are the caller's: ``bcg.layers.rotary.RotaryEmbedding`` builds them
+(``.cos`` and ``.sin``, fp32 ``[max_position, head_dim // 2]``) with any Llama-3 frequency
+scaling already applied, so the kernel only looks them up by position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bcg.kernels._launch import require_last_dim_contiguous, require_same_device
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Rotate ``q`` and ``k`` in place by their tokens' positions.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``, last dim contiguous (a view into a fused
+            qkv tensor is fine).
+        k: ``[num_tokens, num_kv_heads, head_dim]``, same.
+        positions: int64 ``[num_tokens]``, each ``< max_position``.
+        cos, sin: fp32 ``[max_position, head_dim // 2]``, last dim contiguous.
+
+    The rotation is computed in fp32 and rounded once. One launch, no host synchronisation.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    half = head_dim // 2
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim or cos.shape[1:] != (half,):
+        raise ValueError(
+            f"expected q [T, H, D], k [T, KVH, D], cos/sin [max_position, D/2]; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}"
+        )
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise ValueError("cos and sin must have the same shape and strides")
+    if half & (half - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    for name, tensor in (("q", q), ("k", k), ("cos", cos)):
+        require_last_dim_contiguous(name, tensor)
+    require_same_device(q=q, k=k, positions=positions, cos=cos, sin=sin)
+    if num_tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=half,
+    )
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, stride_head, cos, sin,
+    NUM: tl.constexpr, NUM_PAD: tl.constexpr, HALF: tl.constexpr,
+):
+    """Rotate the ``NUM`` heads at ``x_ptr`` (one token) in place."""
+    heads = tl.arange(0, NUM_PAD)
+    dims = tl.arange(0, HALF)
+    mask = (heads < NUM)[:, None]
+    first_ptrs = x_ptr + heads[:, None] * stride_head + dims[None, :]
+    x1 = tl.load(first_ptrs, mask=mask).to(tl.float32)
+    x2 = tl.load(first_ptrs + HALF, mask=mask).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(first_ptrs, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first_ptrs + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_table,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + position * stride_table + dims)
+    sin = tl.load(sin_ptr + position * stride_table + dims)
+    _rotate_heads(
+        q_ptr + token * stride_q_tok, stride_q_head, cos, sin, NUM_HEADS, Q_HEADS_PAD, HALF
+    )
+    _rotate_heads(
+        k_ptr + token * stride_k_tok, stride_k_head, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF
+    )

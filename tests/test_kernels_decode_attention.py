@@ -1,0 +1,125 @@
+"""Paged decode attention (Triton) against the PyTorch reference, incl. CUDA graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_kernels_support import (
+    DEVICE,
+    ON_GPU,
+    POISON,
+    TOLERANCE,
+    PagedBatch,
+    import_kernels,
+    make_paged_batch,
+    reference_attention,
+    rel_err,
+)
+
+decode = import_kernels("decode_attention")
+
+# (num_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3, MQA, Qwen3-8B-like.
+HEAD_SHAPES = [(4, 4, 64, 16), (8, 2, 128, 16), (12, 4, 64, 8), (8, 1, 128, 32), (32, 8, 128, 16)]
+MAX_LEN = 3000 if ON_GPU else 70
+MAX_BATCH = 24 if ON_GPU else 5
+
+
+def random_lengths(batch: int, generator: torch.Generator) -> list[int]:
+    """Lengths in [1, MAX_LEN], always including 1 and one that is no multiple of 16."""
+    lengths = torch.randint(1, MAX_LEN + 1, (batch,), generator=generator).tolist()
+    lengths[0] = 1
+    if batch > 1:
+        lengths[1] = 16 * (MAX_LEN // 32) + 5
+    return lengths
+
+
+def decode_batch(
+    lengths: list[int], head_shape: tuple, generator: torch.Generator, **kwargs
+) -> PagedBatch:
+    """One new token per row; a row of length 0 is padding."""
+    return make_paged_batch([1] * len(lengths), lengths, *head_shape, generator, **kwargs)
+
+
+def run_decode(batch: PagedBatch, **kwargs) -> torch.Tensor:
+    return decode.decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, batch.scale,
+        **kwargs,
+    )
+
+
+def assert_matches(out: torch.Tensor, batch: PagedBatch) -> None:
+    """Live rows match the reference; padded rows were not written."""
+    expected = reference_attention(batch)
+    live = batch.seq_lens > 0
+    assert rel_err(out[live], expected[live]) <= TOLERANCE
+    assert (out[~live] == POISON).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=str)
+def test_decode_matches_reference(head_shape: tuple, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    batch_size = int(torch.randint(1, MAX_BATCH + 1, (1,), generator=generator))
+    batch = decode_batch(random_lengths(batch_size, generator), head_shape, generator)
+    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON)), batch)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_decode_split_counts_agree(num_splits: int) -> None:
+    """One split writes the output directly; many splits leave some chunks empty."""
+    generator = torch.Generator().manual_seed(num_splits)
+    head_shape = HEAD_SHAPES[1]
+    batch = decode_batch(random_lengths(3, generator), head_shape, generator)
+    plan = decode.plan_decode(3, *head_shape[:3], DEVICE, num_splits=num_splits)
+    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+
+
+def test_padded_rows_are_untouched() -> None:
+    generator = torch.Generator().manual_seed(7)
+    batch = decode_batch([0, 5, 0, MAX_LEN, 1, 0], HEAD_SHAPES[2], generator)
+    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON)), batch)
+
+
+def test_plan_serves_smaller_batches() -> None:
+    generator = torch.Generator().manual_seed(3)
+    plan = decode.plan_decode(MAX_BATCH + 3, *HEAD_SHAPES[1][:3], DEVICE)
+    batch = decode_batch(random_lengths(MAX_BATCH, generator), HEAD_SHAPES[1], generator)
+    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+
+
+def test_mismatched_plan_is_refused() -> None:
+    batch = decode_batch([4, 9], HEAD_SHAPES[1], torch.Generator().manual_seed(0))
+    plan = decode.plan_decode(1, *HEAD_SHAPES[1][:3], DEVICE)
+    with pytest.raises(ValueError, match="plan_decode"):
+        run_decode(batch, plan=plan)
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_new_lengths_and_tables() -> None:
+    """Capture once, then replay with other lengths, tables, contents and padded rows."""
+    generator = torch.Generator().manual_seed(11)
+    head_shape, rows = HEAD_SHAPES[4], 8
+    max_blocks = -(-MAX_LEN // head_shape[3])
+
+    def fresh_batch(padded_row: int) -> PagedBatch:
+        lengths = random_lengths(rows, generator)
+        lengths[padded_row] = 0
+        return decode_batch(lengths, head_shape, generator, max_blocks=max_blocks)
+
+    static = fresh_batch(padded_row=rows - 1)
+    static_out = torch.empty_like(static.q)
+    plan = decode.plan_decode(rows, *head_shape[:3], DEVICE)
+    run_decode(static, out=static_out, plan=plan)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_decode(static, out=static_out, plan=plan)
+
+    for replay in range(3):
+        fresh = fresh_batch(padded_row=replay)
+        for name in ("q", "k_cache", "v_cache", "seq_lens", "block_tables"):
+            getattr(static, name).copy_(getattr(fresh, name))
+        static_out.fill_(POISON)
+        graph.replay()
+        assert_matches(static_out, static)

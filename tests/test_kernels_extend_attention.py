@@ -1,0 +1,115 @@
+"""Extend (prefill) attention over a paged prefix (Triton) against the PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_kernels_support import (
+    ON_GPU,
+    POISON,
+    TOLERANCE,
+    PagedBatch,
+    import_kernels,
+    make_paged_batch,
+    reference_attention,
+    rel_err,
+)
+
+extend = import_kernels("extend_attention")
+
+# (num_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3, MQA, Qwen3-8B-like.
+HEAD_SHAPES = [(4, 4, 64, 16), (8, 2, 128, 16), (12, 4, 64, 8), (8, 1, 128, 32), (32, 8, 128, 16)]
+MAX_NEW = 700 if ON_GPU else 40
+MAX_PREFIX = 2000 if ON_GPU else 50
+MAX_SEQS = 8 if ON_GPU else 4
+PADDING_TOKENS = 5
+
+
+def random_batch(head_shape: tuple, generator: torch.Generator, **kwargs) -> PagedBatch:
+    """Random new-token and prefix lengths, always including 1 new token and no prefix."""
+    num_seqs = int(torch.randint(1, MAX_SEQS + 1, (1,), generator=generator))
+    q_lens = torch.randint(1, MAX_NEW + 1, (num_seqs,), generator=generator).tolist()
+    prefixes = torch.randint(0, MAX_PREFIX + 1, (num_seqs,), generator=generator).tolist()
+    q_lens[0], prefixes[-1] = 1, 0
+    return batch_of(q_lens, prefixes, head_shape, generator, **kwargs)
+
+
+def batch_of(
+    q_lens: list[int], prefixes: list[int], head_shape: tuple, generator: torch.Generator,
+    **kwargs,
+) -> PagedBatch:
+    seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
+    return make_paged_batch(
+        q_lens, seq_lens, *head_shape, generator, padding_tokens=PADDING_TOKENS, **kwargs
+    )
+
+
+def run_extend(batch: PagedBatch, out: torch.Tensor) -> torch.Tensor:
+    return extend.extend_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
+        batch.block_tables, batch.scale, out=out,
+    )
+
+
+def assert_matches(out: torch.Tensor, batch: PagedBatch) -> None:
+    """Real tokens match the reference; padding tokens were not written."""
+    real = batch.num_real_tokens
+    assert rel_err(out[:real], reference_attention(batch)[:real]) <= TOLERANCE
+    assert (out[real:] == POISON).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=str)
+def test_extend_matches_reference(head_shape: tuple, seed: int) -> None:
+    batch = random_batch(head_shape, torch.Generator().manual_seed(seed))
+    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+
+
+@pytest.mark.parametrize("head_shape", HEAD_SHAPES[1:3], ids=str)
+def test_prefill_without_prefix(head_shape: tuple) -> None:
+    generator = torch.Generator().manual_seed(5)
+    batch = batch_of([MAX_NEW, 1, MAX_NEW // 2 + 3], [0, 0, 0], head_shape, generator)
+    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+
+
+def test_mixed_decode_and_prefill() -> None:
+    """Many one-token rows beside a long prefill, as in a mixed breakable-prefill batch."""
+    generator = torch.Generator().manual_seed(9)
+    q_lens = [1] * 9 + [MAX_NEW]
+    prefixes = torch.randint(0, MAX_PREFIX, (10,), generator=generator).tolist()
+    batch = batch_of(q_lens, prefixes, HEAD_SHAPES[1], generator)
+    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+
+
+def test_oversized_group_is_refused() -> None:
+    batch = batch_of([3], [2], (64, 1, 64, 16), torch.Generator().manual_seed(0))
+    config = extend.ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+    with pytest.raises(ValueError, match="block_m"):
+        extend.extend_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
+            batch.block_tables, batch.scale, config=config,
+        )
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_new_batch_composition() -> None:
+    """The grid depends on shapes only: one capture serves other splits of the tokens."""
+    generator = torch.Generator().manual_seed(13)
+    head_shape, max_blocks = HEAD_SHAPES[4], 200
+    static = batch_of([300, 200, 100], [500, 0, 1000], head_shape, generator,
+                      max_blocks=max_blocks)
+    static_out = torch.empty_like(static.q)
+    run_extend(static, static_out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_extend(static, static_out)
+
+    for q_lens, prefixes in (([1, 1, 598], [7, 0, 2500]), ([600, 0, 0], [33, 0, 0])):
+        fresh = batch_of(q_lens, prefixes, head_shape, generator, max_blocks=max_blocks)
+        for name in ("q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_tables"):
+            getattr(static, name).copy_(getattr(fresh, name))
+        static_out.fill_(POISON)
+        graph.replay()
+        assert_matches(static_out, static)

@@ -1,0 +1,115 @@
+"""KV store, RMSNorm (+ residual), rotary and SiLU-and-mul kernels against the layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bcg.layers.activation import SiluAndMul
+from bcg.layers.attention_ref import store_kv as store_kv_ref
+from bcg.layers.norm import RMSNorm
+from bcg.layers.rotary import RotaryEmbedding
+from tests.test_kernels_support import DEVICE, DTYPE, ON_GPU, TOLERANCE, import_kernels, rel_err
+
+kv_store = import_kernels("kv_store")
+rmsnorm = import_kernels("rmsnorm")
+rotary = import_kernels("rotary")
+activation = import_kernels("activation")
+
+NUM_TOKENS = [1, 37, 1000] if ON_GPU else [1, 13]
+LLAMA3_SCALING = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def rand(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(DTYPE).to(DEVICE)
+
+
+def fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int):
+    """q, k, v as strided views into one projection output, as a fused qkv linear gives."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = rand(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("head_shape", [(4, 64, 16), (8, 128, 16), (1, 64, 32)], ids=str)
+def test_store_kv_matches_reference(num_tokens: int, head_shape: tuple) -> None:
+    num_kv_heads, head_dim, block_size = head_shape
+    _, k, v = fused_qkv(num_tokens, num_kv_heads, num_kv_heads, head_dim, seed=num_tokens)
+    num_blocks = num_tokens // block_size + 4
+    generator = torch.Generator().manual_seed(1)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[::3] = -1  # padding tokens
+    slots = slots.to(DEVICE)
+    caches = [rand(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+              for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    kv_store.store_kv(k, v, *caches, slots)
+    store_kv_ref(k, v, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden", [64, 1000, 4096])
+def test_rms_norm_matches_layer(num_tokens: int, hidden: int) -> None:
+    generator = torch.Generator().manual_seed(hidden)
+    layer = RMSNorm(hidden, eps=1e-6).to(DEVICE, DTYPE)
+    layer.weight.copy_(rand(hidden, generator=generator))
+    x = rand(num_tokens, hidden, generator=generator)
+    out = rmsnorm.rms_norm(x, layer.weight, layer.eps)
+    assert rel_err(out, layer(x)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+def test_add_rms_norm_matches_layer(num_tokens: int) -> None:
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden = 1024
+    layer = RMSNorm(hidden, eps=1e-5).to(DEVICE, DTYPE)
+    layer.weight.copy_(rand(hidden, generator=generator))
+    x, residual = rand(num_tokens, hidden, generator=generator), rand(
+        num_tokens, hidden, generator=generator)
+    expected_out, expected_residual = layer.add_and_norm(x, residual)
+    out, new_residual = rmsnorm.add_rms_norm(x, residual, layer.weight, layer.eps)
+    assert new_residual is residual
+    assert rel_err(residual, expected_residual) <= TOLERANCE
+    assert rel_err(out, expected_out) <= TOLERANCE
+
+
+def test_per_head_rms_norm_on_strided_view() -> None:
+    """Qwen3's q/k norm: per-head RMSNorm over a view into the fused qkv output."""
+    q, _, _ = fused_qkv(NUM_TOKENS[-1], 8, 2, 128, seed=4)
+    layer = RMSNorm(128, eps=1e-6).to(DEVICE, DTYPE)
+    layer.weight.copy_(rand(128, generator=torch.Generator().manual_seed(2)))
+    expected = layer(q)
+    rmsnorm.rms_norm(q, layer.weight, layer.eps, out=q)
+    assert rel_err(q, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["default", "llama3"])
+@pytest.mark.parametrize("head_shape", [(8, 2, 128), (4, 4, 64), (12, 4, 64)], ids=str)
+def test_rotary_matches_layer(head_shape: tuple, scaling: dict | None) -> None:
+    num_heads, num_kv_heads, head_dim = head_shape
+    num_tokens, max_position = NUM_TOKENS[-1], 4096
+    layer = RotaryEmbedding(head_dim, max_position, 500000.0, scaling).to(DEVICE)
+    q, k, _ = fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, seed=head_dim)
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, max_position, (num_tokens,), generator=generator).to(DEVICE)
+    # The layer rotates in the input dtype; compare against fp32 so only the kernel rounds.
+    expected_q, expected_k = layer(positions, q.float(), k.float())
+    rotary.apply_rotary(q, k, positions, layer.cos, layer.sin)
+    assert rel_err(q, expected_q) <= TOLERANCE
+    assert rel_err(k, expected_k) <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("intermediate", [64, 1000, 3072])
+def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
+    x = rand(num_tokens, 2 * intermediate, generator=torch.Generator().manual_seed(3))
+    out = activation.silu_and_mul(x)
+    assert rel_err(out, SiluAndMul()(x.float())) <= TOLERANCE
