@@ -26,6 +26,7 @@ WORKLOADS = {  # name: (tokens, width); "light" is host-bound, "heavy" GPU-bound
     "light": (8, 256),
     "heavy": (4096, 2048),
 }
+ITERS = {"light": 200, "heavy": 20}  # timed calls per measurement
 
 
 def break_body(hidden: torch.Tensor, out: torch.Tensor) -> None:
@@ -122,36 +123,47 @@ def host_issue_us(fn: Callable[[], object], iters: int) -> float:
     return total * 1e6 / iters
 
 
-def bench_workload(workload: str, layers: int, iters: int) -> list[dict]:
+def best_of(measure: Callable[[Callable], float], steps: dict[str, Callable], repeats: int):
+    """The best of `repeats` measurements per mode, modes interleaved so that drifts in
+    clocks or background load hit every mode alike."""
+    results: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(repeats):
+        for mode, step in steps.items():
+            results[mode].append(measure(step))
+    return {mode: min(values) for mode, values in results.items()}
+
+
+def bench_workload(workload: str, layers: int, repeats: int) -> list[dict]:
     tokens, width = WORKLOADS[workload]
+    iters = ITERS[workload]
     weights = [torch.randn(width, width, device="cuda") * 0.02 for _ in range(layers)]
     x = torch.randn(tokens, width, device="cuda")
     steps = {mode: replay_step(run, cap, x) for mode, (run, cap) in mode_runners(weights).items()}
     hidden = torch.randn(tokens, width, device="cuda")
-    body_us = host_issue_us(functools.partial(break_body, hidden, torch.empty_like(hidden)), iters)
-    full_ms, full_host_us = (
-        time_per_call_ms(steps["full graph"], iters),
-        host_issue_us(steps["full graph"], iters),
-    )
+    steps["break body"] = functools.partial(break_body, hidden, torch.empty_like(hidden))
+    wall_ms = best_of(lambda step: time_per_call_ms(step, iters), steps, repeats)
+    host_us = best_of(lambda step: host_issue_us(step, iters), steps, repeats)
+    body_us = host_us.pop("break body")
+    wall_ms.pop("break body")
     rows = []
-    for mode, step in steps.items():
+    for mode, ms in wall_ms.items():
         row = {
             "workload": workload,
             "mode": mode,
-            "replay_ms": time_per_call_ms(step, iters),
-            "host_issue_us": host_issue_us(step, iters),
+            "replay_ms": ms,
+            "host_issue_us": host_us[mode],
             "break_body_host_us": body_us,
         }
         if mode not in ("eager", "full graph"):
-            row["x_full_graph"] = row["replay_ms"] / full_ms
-            added = (row["host_issue_us"] - full_host_us) / layers
+            row["x_full_graph"] = ms / wall_ms["full graph"]
+            added = (host_us[mode] - host_us["full graph"]) / layers
             row["host_us_per_break_beyond_body"] = added - body_us
         rows.append(row)
     return rows
 
 
-def bench_replay(layers: int, iters: int) -> list[dict]:
-    return [row for workload in WORKLOADS for row in bench_workload(workload, layers, iters)]
+def bench_replay(layers: int, repeats: int) -> list[dict]:
+    return [row for workload in WORKLOADS for row in bench_workload(workload, layers, repeats)]
 
 
 def bench_capture(layers: int) -> list[dict]:
@@ -190,11 +202,11 @@ def bench_capture_heaps(layers: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32, help="layers = breaks per replay")
-    parser.add_argument("--iters", type=int, default=200, help="timed replays per mode")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements per mode (best kept)")
     args = parser.parse_args()
     require_cuda("bench_graph")
     torch.manual_seed(0)
-    replay = bench_replay(args.layers, args.iters)
+    replay = bench_replay(args.layers, args.repeats)
     capture = bench_capture_heaps(args.layers)
     print_table(
         f"replay, {args.layers} layers/breaks (light: {WORKLOADS['light']}, heavy: "
