@@ -60,21 +60,21 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
-        _check(0 < self.gpu_memory_utilization <= 1,
+        require(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
+        require(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
-        _check(self.max_num_batched_tokens > 0,
+        require(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        require(self.max_num_batched_tokens > 0,
                f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
-        _check(self.kv_cache_tokens is None or self.kv_cache_tokens > 0,
+        require(self.kv_cache_tokens is None or self.kv_cache_tokens > 0,
                f"kv_cache_tokens must be > 0, got {self.kv_cache_tokens}")
-        _check(self.max_model_len is None or self.max_model_len > 0,
+        require(self.max_model_len is None or self.max_model_len > 0,
                f"max_model_len must be > 0, got {self.max_model_len}")
-        _check(self.dtype == "auto" or self.dtype in DTYPES,
+        require(self.dtype == "auto" or self.dtype in DTYPES,
                f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        _check(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
+        require(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
                f"device must be auto, cuda or cpu; got {self.device!r}")
-        _check(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
+        require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
 
     @property
@@ -90,6 +90,12 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
-def _check(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ok: for user input, whose errors must explain."""
     if not ok:
         raise ValueError(message)
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)

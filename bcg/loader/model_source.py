@@ -74,8 +74,9 @@ def _folder_source(folder: Path, name: str) -> ModelSource:
 
 
 def _gguf_source(path: Path, name: str) -> ModelSource:
-    hf_config = read_gguf_config(open_gguf(path))
-    weights = lambda: iter_gguf_tensors(open_gguf(path), hf_config)
+    reader = open_gguf(path)  # parsing the metadata takes seconds: do it once
+    hf_config = read_gguf_config(reader)
+    weights = lambda: iter_gguf_tensors(reader, hf_config)
     return ModelSource(name, ModelConfig.from_hf_dict(hf_config), weights, path, True)
 
 

@@ -1,0 +1,1 @@
+"""The serving engine: requests, scheduling, the paged KV cache's blocks, and `LLM`."""

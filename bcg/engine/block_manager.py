@@ -1,0 +1,106 @@
+"""BlockManager: hands out KV cache blocks and shares full blocks between equal prefixes.
+
+A block becomes shareable once it is full and its K/V are computed: it is then registered
+under the hash of its tokens chained with the hash of the block before it, so equal hashes
+mean equal prefixes. Freed blocks keep their hash and stay findable until a fresh block is
+needed and they are the least recently freed (LRU eviction).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from bcg.engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()  # checked on a hit: hashes may collide
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give `seq` blocks for its next `num_new_tokens` tokens."""
+        for _ in range(self.num_blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_fresh_block())
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """Point a new sequence's first blocks at cached ones; return the tokens covered.
+        The last prompt token is always left to compute: its logits are needed."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        self._hash_full_blocks(seq, seq.num_tokens - 1)
+        for i, block_hash in enumerate(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]):
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
+                break
+            self._share(block_id)
+            seq.block_table.append(block_id)
+        return len(seq.block_table) * self.block_size
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are now full and computed, for later sharing."""
+        if not self.enable_prefix_caching:
+            return
+        self._hash_full_blocks(seq, seq.num_computed_tokens)
+        for i in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and seq.block_hashes[i] not in self.cached_blocks:
+                block.hash, block.token_ids = seq.block_hashes[i], self._block_tokens(seq, i)
+                self.cached_blocks[block.hash] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release the blocks of `seq`; its last blocks become the first to be evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+
+    def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend `seq.block_hashes` over the full blocks among its first `num_tokens` tokens."""
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):
+            parent = seq.block_hashes[i - 1] if i else None
+            seq.block_hashes.append(hash((parent, self._block_tokens(seq, i))))
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    def _share(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _take_fresh_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self.cached_blocks[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,103 @@
+"""`LLM`: offline batch generation and chat over one `LLMEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from bcg.config import EngineConfig, require
+from bcg.engine.llm_engine import LLMEngine
+from bcg.engine.outputs import RequestOutput
+from bcg.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """`LLM(model=..., **engine_args)`; the arguments are the fields of `EngineConfig`."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come in prompt order.
+        Every prompt is validated before any runs, so bad input raises and runs nothing."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params)
+        finished = self._run(len(ids), use_tqdm)
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or to each of several, each
+        a list of {"role", "content"} messages rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations],
+                             sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        require(tokenizer is not None and tokenizer.chat_template is not None,
+                "this model's tokenizer has no chat template: use generate() with plain prompts")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError as error:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise ValueError(f"prompt {len(ids)}: {error}") from error
+        return ids
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=num_requests, desc="Generating", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                stats = self.engine.stats
+                bar.set_postfix_str(f"prefill {stats.prefill_throughput:.0f} tok/s, "
+                                    f"decode {stats.decode_throughput:.0f} tok/s", refresh=False)
+        return finished
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    require(len(params) == count,
+            f"got {len(params)} sampling params for {count} prompts: pass one, or one per prompt")
+    return params

@@ -1,0 +1,202 @@
+"""LLMEngine: requests in, one scheduled model step at a time, outputs out.
+
+`add_request`, `step`, `abort_request` and `has_unfinished_requests` are the whole API a
+driver needs (the offline `LLM` loop, the HTTP server). A request that fails validation
+raises in `add_request` and leaves every other request untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bcg.config import EngineConfig, is_int, require
+from bcg.engine.block_manager import BlockManager
+from bcg.engine.detokenizer import IncrementalDetokenizer
+from bcg.engine.outputs import RequestOutput
+from bcg.engine.sampling_params import SamplingParams
+from bcg.engine.scheduler import Scheduler, SchedulerOutput
+from bcg.engine.sequence import Sequence
+from bcg.loader.model_source import resolve_model
+from bcg.loader.tokenizer import load_tokenizer
+from bcg.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Token counts and wall time so far; a step's time counts as prefill if it had any."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_throughput(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_throughput(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None  # None: no tokenizer, no text
+    prompt: str | None  # the prompt text, if it came as text
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model(config.model, config.load_format)
+        self.model_config = source.config
+        self.max_model_len = self._max_model_len(config)
+        self.tokenizer = load_tokenizer(source, config.tokenizer)
+        self.eos_token_ids = set(source.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, source, self.max_model_len)
+        block_manager = BlockManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._request_counter = itertools.count()
+        logger.info("engine ready: %s on %s (%s), max_model_len=%d", source.name,
+                    self.runner.device, self.runner.dtype, self.max_model_len)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); return its id. Raises ValueError on bad input."""
+        sampling_params = sampling_params or SamplingParams()
+        require(isinstance(sampling_params, SamplingParams),
+                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        request_id = str(next(self._request_counter)) if request_id is None else request_id
+        require(request_id not in self._requests, f"request id {request_id!r} is already in use")
+        token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        generator = None
+        if sampling_params.seed is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(sampling_params.seed)
+        seq = Sequence(request_id, token_ids, sampling_params, generator)
+        detokenizer = (
+            IncrementalDetokenizer(self.tokenizer, sampling_params.stop) if self.tokenizer else None
+        )
+        text = prompt if isinstance(prompt, str) else None
+        self._requests[request_id] = _Request(seq, detokenizer, text)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request.seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; return an output for each request that got a new token."""
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.seqs:
+            return []
+        token_ids = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        self._count(scheduled, time.perf_counter() - start)
+        sampled = self.scheduler.advance(scheduled)
+        return [self._append(seq, token) for seq, token in zip(sampled, token_ids, strict=True)]
+
+    def encode(self, text: str) -> list[int]:
+        require(self.tokenizer is not None,
+                "this model has no tokenizer (a preset with dummy weights): pass token ids, "
+                "or give a tokenizer with tokenizer=...")
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
+        seq.append_token(token_id)
+        detokenizer = self._requests[seq.request_id].detokenizer
+        stopped_by_text = detokenizer is not None and detokenizer.add(token_id)
+        reason = self._finish_reason(seq, token_id, stopped_by_text)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        output = self._output(seq)
+        if seq.is_finished:
+            del self._requests[seq.request_id]
+        return output
+
+    def _finish_reason(self, seq: Sequence, token_id: int, stopped_by_text: bool) -> str | None:
+        params = seq.sampling_params
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if stopped_by_text or is_eos or token_id in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        detokenizer = self._requests[seq.request_id].detokenizer
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=self._requests[seq.request_id].prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=detokenizer.visible_text(seq.is_finished) if detokenizer else "",
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            require(prompt != "", "the prompt is empty")
+            return self.encode(prompt)
+        require(isinstance(prompt, list | tuple) and all(is_int(t) for t in prompt),
+                "a prompt must be a string or a list of token ids (int)")
+        return list(prompt)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        require(len(token_ids) > 0, "the prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        require(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        require(len(token_ids) < self.max_model_len,
+                f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}: shorten it (or raise max_model_len)")
+
+    def _count(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        decode = sum(n for s, n in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True)
+                     if n == 1 and s.num_output_tokens)
+        prefill = scheduled.num_tokens - decode
+        self.stats.decode_tokens += decode
+        self.stats.prefill_tokens += prefill
+        if prefill:
+            self.stats.prefill_seconds += seconds
+        else:
+            self.stats.decode_seconds += seconds
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is None:
+            return limit
+        require(config.max_model_len <= limit,
+                f"max_model_len={config.max_model_len} exceeds the model's context length {limit}")
+        return config.max_model_len
+

@@ -1,0 +1,120 @@
+"""Scheduler: picks the sequences of each step and how many tokens each one computes.
+
+Continuous batching with chunked prefill: a step holds at most `max_num_batched_tokens`
+tokens, and may mix decodes (1 token), prompt chunks and new prompts. Running sequences
+come first, decodes before prompt chunks, then waiting sequences in arrival order. When
+the KV cache runs out, the most recently admitted sequence not yet scheduled this step is
+preempted: its blocks are freed and it waits to be recomputed (its tokens are kept, so
+greedy output is unchanged, and the prefix cache usually brings most of it back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from bcg.engine.block_manager import BlockManager
+from bcg.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output)
+        if not output.num_preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def advance(self, output: SchedulerOutput) -> list[Sequence]:
+        """After the step ran: count the computed tokens, offer full blocks to the prefix
+        cache, and return the sequences that sampled a token this step, in order."""
+        sampled = []
+        for seq, n in zip(output.seqs, output.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
+        return sampled
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` (running or waiting) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)
+
+    def _schedule_running(self, output: SchedulerOutput) -> int:
+        budget = self.max_num_batched_tokens
+        queue = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))
+        while queue and budget > 0:
+            seq = queue.popleft()
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, n) and queue:
+                self._preempt(queue.pop())
+                output.num_preempted += 1
+            if not self.block_manager.can_allocate(seq, n):
+                self._preempt(seq)
+                output.num_preempted += 1
+                break
+            self.block_manager.allocate(seq, n)
+            output.add(seq, n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, n):
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            if not seq.num_output_tokens:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.block_manager.allocate(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.add(seq, n)
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the blocks of `seq` and queue it first, to be recomputed from its tokens."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
