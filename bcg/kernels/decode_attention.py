@@ -142,7 +142,7 @@ def decode_attention(
     config = plan.config
     _decode_split_kernel[(batch, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, stage_out, stage_lse,
-        scale * LOG2_E,
+        scale * LOG2_E, plan.num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -153,36 +153,34 @@ def decode_attention(
         HEAD_DIM=head_dim,
         PAGE=block_size,
         BLOCK_N=config.block_n,
-        NUM_SPLITS=plan.num_splits,
         WRITE_FINAL=single_split,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if not single_split:
         _decode_merge_kernel[(batch, num_heads)](
-            plan.partial_out, plan.partial_lse, seq_lens, out,
+            plan.partial_out, plan.partial_lse, seq_lens, out, plan.num_splits,
             plan.partial_out.stride(0), plan.partial_out.stride(1),
             plan.partial_lse.stride(0), plan.partial_lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_N=config.block_n,
-            NUM_SPLITS=plan.num_splits,
             SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
         )
     return out
 
 
 @triton.jit
-def _split_chunk(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """KV tokens per split: an even share of ``seq_len`` rounded up to whole tiles."""
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    per_split = tl.cdiv(seq_len, num_splits)
     return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, lse_ptr,
-    scale_log2,
+    scale_log2, num_splits,
     stride_q_tok, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_table,
@@ -193,14 +191,13 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     WRITE_FINAL: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
-    chunk = _split_chunk(seq_len, NUM_SPLITS, BLOCK_N)
+    chunk = _split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start >= end:
@@ -246,13 +243,12 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr, num_splits,
     stride_part_tok, stride_part_head,
     stride_lse_tok, stride_lse_head,
     stride_out_tok, stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -260,7 +256,7 @@ def _decode_merge_kernel(
     seq_len = tl.load(seq_lens_ptr + row)
     if seq_len == 0:
         return
-    num_used = tl.cdiv(seq_len, _split_chunk(seq_len, NUM_SPLITS, BLOCK_N))
+    num_used = tl.cdiv(seq_len, _split_chunk(seq_len, num_splits, BLOCK_N))
     splits = tl.arange(0, SPLITS_PAD)
     used = splits < num_used
     dims = tl.arange(0, HEAD_DIM)
