@@ -9,12 +9,20 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from bcg.models.config import as_id_list
+
 
 def read_hf_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: is it a Hugging Face model folder?")
     return json.loads(path.read_text())
+
+
+def read_generation_eos(folder: Path) -> list[int]:
+    """EOS ids of `generation_config.json` (chat models often list more than config.json)."""
+    path = folder / "generation_config.json"
+    return as_id_list(json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None)
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

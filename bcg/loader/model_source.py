@@ -16,13 +16,14 @@ import torch
 
 from bcg.loader.builtin import BUILTIN_NAME, builtin_gguf_path
 from bcg.loader.gguf_file import iter_gguf_tensors, open_gguf, read_gguf_config
-from bcg.loader.hf_folder import iter_safetensors, read_hf_config
+from bcg.loader.hf_folder import iter_safetensors, read_generation_eos, read_hf_config
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -70,7 +71,10 @@ def _folder_source(folder: Path, name: str) -> ModelSource:
     if not (folder / "config.json").is_file() and len(ggufs) == 1:
         return _gguf_source(ggufs[0], name)
     config = ModelConfig.from_hf_dict(read_hf_config(folder))
-    return ModelSource(name, config, lambda: iter_safetensors(folder), folder)
+    config.eos_token_ids = sorted({*config.eos_token_ids, *read_generation_eos(folder)})
+    has_tokenizer = any((folder / f).is_file() for f in TOKENIZER_FILES)
+    return ModelSource(name, config, lambda: iter_safetensors(folder),
+                       folder if has_tokenizer else None)
 
 
 def _gguf_source(path: Path, name: str) -> ModelSource:

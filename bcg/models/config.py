@@ -49,7 +49,7 @@ class ModelConfig:
             attention_bias=hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
             rope_scaling=rope_scaling,
-            eos_token_ids=_as_list(hf.get("eos_token_id")),
+            eos_token_ids=as_id_list(hf.get("eos_token_id")),
         )
 
 
@@ -61,7 +61,8 @@ def _parse_rope(hf: dict) -> tuple[float, dict | None]:
     return theta, (None if rope_type == "default" else params)
 
 
-def _as_list(value: int | list[int] | None) -> list[int]:
+def as_id_list(value: int | list[int] | None) -> list[int]:
+    """A config's token id field (absent, one id, or a list) as a list."""
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]

@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face models saved as folders, and a paged harness over our runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from bcg.config import EngineConfig
+from bcg.engine.block_manager import BlockManager
+from bcg.engine.sampling_params import SamplingParams
+from bcg.engine.sequence import Sequence
+from bcg.loader.model_source import resolve_model
+from bcg.runner.model_runner import ModelRunner
+
+VOCAB = 160
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+ARCHS = {
+    "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+    "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=False),
+    "qwen3": lambda: Qwen3Config(**SIZES, head_dim=32, tie_word_embeddings=False),
+}
+
+
+def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB"):
+    """Save a random model of `arch` (weights large enough for confident logits); return it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ARCHS[arch]()).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    return model
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return model(torch.tensor([token_ids], device=device)).logits[0].float()
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(int(hf_logits(model, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+class PagedHarness:
+    """Our runner and block manager, stepped by hand: each step names the sequences and how
+    many of their tokens to compute, and returns the logits of every computed row."""
+
+    def __init__(self, folder: Path, device: str = "cpu", dtype: str = "float32",
+                 block_size: int = 4):
+        config = EngineConfig(model=str(folder), device=device, dtype=dtype,
+                              block_size=block_size, kv_cache_tokens=1024)
+        self.runner = ModelRunner(config, resolve_model(str(folder)), max_model_len=256)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size)
+
+    def new_sequence(self, token_ids: list[int]) -> Sequence:
+        seq = Sequence(str(id(token_ids)), token_ids, SamplingParams(temperature=0))
+        seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
+        return seq
+
+    def step(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[torch.Tensor]:
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            self.block_manager.allocate(seq, n)
+        batch = self.runner.prepare(seqs, num_new_tokens)
+        with torch.inference_mode():
+            logits = self.runner.model.compute_logits(self.runner.forward(batch)).float()
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+        return list(logits.split(num_new_tokens))

@@ -1,0 +1,68 @@
+"""Our eager forward through the paged KV cache against Hugging Face transformers (fp32)."""
+
+import pytest
+import torch
+
+from tests.hf_tiny import ARCHS, VOCAB, PagedHarness, hf_logits, relative_error, save_tiny_model
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = save_tiny_model(request.param, folder)
+    return hf_model, PagedHarness(folder)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_rows_match(hf_model, seq, rows: torch.Tensor, start: int) -> None:
+    ref = hf_logits(hf_model, seq.token_ids[: start + len(rows)])[start:]
+    assert relative_error(rows, ref) <= TOLERANCE
+
+
+def test_prefill_batch_of_different_lengths(tiny):
+    hf_model, harness = tiny
+    seqs = [harness.new_sequence(random_prompt(n, seed=n)) for n in (5, 17, 33)]
+    logits = harness.step(seqs, [s.num_tokens for s in seqs])
+    for seq, rows in zip(seqs, logits, strict=True):
+        assert_rows_match(hf_model, seq, rows, 0)
+
+
+def test_decode_steps_through_paged_cache(tiny):
+    hf_model, harness = tiny
+    seqs = [harness.new_sequence(random_prompt(n, seed=100 + n)) for n in (3, 9)]
+    logits = harness.step(seqs, [s.num_tokens for s in seqs])
+    for _ in range(6):
+        for seq, rows in zip(seqs, logits, strict=True):
+            seq.append_token(int(rows[-1].argmax()))
+        logits = harness.step(seqs, [1, 1])
+        for seq, rows in zip(seqs, logits, strict=True):
+            assert_rows_match(hf_model, seq, rows, seq.num_tokens - 1)
+
+
+def test_prefix_cache_hit(tiny):
+    hf_model, harness = tiny
+    first = harness.new_sequence(random_prompt(20, seed=7))
+    harness.step([first], [first.num_tokens])
+    second = harness.new_sequence(first.token_ids[:16] + random_prompt(7, seed=8))
+    assert second.num_computed_tokens == 16
+    assert second.block_table[:4] == first.block_table[:4]
+    [rows] = harness.step([second], [second.num_uncomputed_tokens])
+    assert_rows_match(hf_model, second, rows, 16)
+
+
+def test_chunked_prefill_mixed_with_decode(tiny):
+    hf_model, harness = tiny
+    decoding = harness.new_sequence(random_prompt(6, seed=11))
+    [rows] = harness.step([decoding], [6])
+    chunked = harness.new_sequence(random_prompt(30, seed=12))
+    for chunk in (7, 1, 12, 10):
+        decoding.append_token(int(rows[-1].argmax()))
+        start = chunked.num_computed_tokens
+        rows, chunk_rows = harness.step([decoding, chunked], [1, chunk])
+        assert_rows_match(hf_model, chunked, chunk_rows, start)
+        assert_rows_match(hf_model, decoding, rows, decoding.num_tokens - 1)
