@@ -16,7 +16,8 @@ def tiny(request, tmp_path_factory):
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=generator).tolist()
 
 
 def assert_rows_match(hf_model, seq, rows: torch.Tensor, start: int) -> None:

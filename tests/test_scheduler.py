@@ -17,7 +17,8 @@ def make_scheduler(num_blocks=100, max_num_seqs=8, max_tokens_per_step=32) -> Sc
 
 
 def make_requests(prompt_lens, max_tokens=6) -> list[Sequence]:
-    return [Sequence(str(i), [(i + j) % 97 for j in range(n)], SamplingParams(max_tokens=max_tokens))
+    params = SamplingParams(max_tokens=max_tokens)
+    return [Sequence(str(i), [(i + j) % 97 for j in range(n)], params)
             for i, n in enumerate(prompt_lens)]
 
 
