@@ -113,3 +113,13 @@ def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
     x = rand(num_tokens, 2 * intermediate, generator=torch.Generator().manual_seed(3))
     out = activation.silu_and_mul(x)
     assert rel_err(out, SiluAndMul()(x.float())) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_cached_launch_tells_alignments_apart() -> None:
+    """A kernel compiled for 16-byte aligned pointers must not serve a misaligned view."""
+    rows, width = 7, 256
+    flat = rand(rows * width + 1, generator=torch.Generator().manual_seed(8))
+    aligned, misaligned = flat[:-1].view(rows, width), flat[1:].view(rows, width)
+    for x in (aligned, misaligned, aligned, misaligned):
+        assert rel_err(activation.silu_and_mul(x), SiluAndMul()(x.float())) <= TOLERANCE

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import require_last_dim_contiguous
+from bcg.kernels._launch import CachedLauncher, require_last_dim_contiguous
 
 BLOCK = 1024
 
@@ -30,18 +30,30 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     require_last_dim_contiguous("out", out)
     if num_tokens == 0:
         return out
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, BLOCK))](
-        x, out, intermediate, x.stride(0), out.stride(0), BLOCK=BLOCK
+    _launch_silu_and_mul(
+        (num_tokens, triton.cdiv(intermediate, BLOCK)),
+        (x, out),
+        dict(INTERMEDIATE=intermediate, STRIDE_X=x.stride(0), STRIDE_OUT=out.stride(0),
+             BLOCK=BLOCK),
     )
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr,
+    INTERMEDIATE: tl.constexpr,
+    STRIDE_X: tl.constexpr,
+    STRIDE_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < intermediate
-    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask).to(tl.float32)
-    up = tl.load(x_ptr + token * stride_x + intermediate + cols, mask=mask).to(tl.float32)
+    mask = cols < INTERMEDIATE
+    gate = tl.load(x_ptr + token * STRIDE_X + cols, mask=mask).to(tl.float32)
+    up = tl.load(x_ptr + token * STRIDE_X + INTERMEDIATE + cols, mask=mask).to(tl.float32)
     result = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + token * stride_out + cols, result.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + token * STRIDE_OUT + cols, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_launch_silu_and_mul = CachedLauncher(_silu_and_mul_kernel)

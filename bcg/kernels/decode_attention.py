@@ -19,6 +19,7 @@ import triton.language as tl
 from bcg.kernels._attention_tile import attend_kv_range
 from bcg.kernels._launch import (
     PROGRAMS_PER_SM,
+    CachedLauncher,
     multiprocessor_count,
     paged_cache_geometry,
     require_last_dim_contiguous,
@@ -37,7 +38,7 @@ class DecodeConfig:
     """Tile shape of the split kernel: KV tokens per step, warps, pipeline stages."""
 
     block_n: int = 64
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 3
 
 
@@ -136,36 +137,39 @@ def decode_attention(
             f"too small or mismatched for q {tuple(q.shape)}: build it with plan_decode()"
         )
     single_split = plan.num_splits == 1
-    stage_out, stage_lse = (out, out) if single_split else (plan.partial_out, plan.partial_lse)
-    split_stride_out = 0 if single_split else stage_out.stride(2)
-    lse_strides = (0, 0) if single_split else plan.partial_lse.stride()[:2]
     config = plan.config
-    _decode_split_kernel[(batch, num_kv_heads, plan.num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, stage_out, stage_lse,
-        scale * LOG2_E, plan.num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        stage_out.stride(0), stage_out.stride(1), split_stride_out,
-        *lse_strides,
-        GROUP=group,
-        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        PAGE=block_size,
-        BLOCK_N=config.block_n,
-        WRITE_FINAL=single_split,
+    out_strides = dict(STRIDE_OUT_TOK=out.stride(0), STRIDE_OUT_HEAD=out.stride(1))
+    _launch_split(
+        (batch, num_kv_heads, plan.num_splits),
+        (q, k_cache, v_cache, seq_lens, block_tables, out, plan.partial_out, plan.partial_lse,
+         scale * LOG2_E, plan.num_splits, block_tables.stride(0)),
+        dict(
+            STRIDE_Q_TOK=q.stride(0), STRIDE_Q_HEAD=q.stride(1),
+            STRIDE_CACHE_BLOCK=k_cache.stride(0), STRIDE_CACHE_SLOT=k_cache.stride(1),
+            STRIDE_CACHE_HEAD=k_cache.stride(2),
+            **out_strides,
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            PAGE=block_size,
+            BLOCK_N=config.block_n,
+            WRITE_FINAL=single_split,
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if not single_split:
-        _decode_merge_kernel[(batch, num_heads)](
-            plan.partial_out, plan.partial_lse, seq_lens, out, plan.num_splits,
-            plan.partial_out.stride(0), plan.partial_out.stride(1),
-            plan.partial_lse.stride(0), plan.partial_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_N=config.block_n,
-            SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+        _launch_merge(
+            (batch, num_heads),
+            (plan.partial_out, plan.partial_lse, seq_lens, out, plan.num_splits),
+            dict(
+                **out_strides,
+                NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_N=config.block_n,
+                SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+            ),
         )
     return out
 
@@ -177,15 +181,19 @@ def _split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, out_ptr, lse_ptr,
-    scale_log2, num_splits,
-    stride_q_tok, stride_q_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
-    stride_table,
-    stride_out_tok, stride_out_head, stride_out_split,
-    stride_lse_tok, stride_lse_head,
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    scale_log2, num_splits, stride_table,
+    STRIDE_Q_TOK: tl.constexpr,
+    STRIDE_Q_HEAD: tl.constexpr,
+    STRIDE_CACHE_BLOCK: tl.constexpr,
+    STRIDE_CACHE_SLOT: tl.constexpr,
+    STRIDE_CACHE_HEAD: tl.constexpr,
+    STRIDE_OUT_TOK: tl.constexpr,
+    STRIDE_OUT_HEAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -208,12 +216,12 @@ def _decode_split_kernel(
     head_mask = group_idx < GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        q_ptr + row * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+        q_ptr + row * STRIDE_Q_TOK + heads[:, None] * STRIDE_Q_HEAD + dims[None, :],
         mask=head_mask[:, None],
         other=0.0,
     )
     table_ptr = block_tables_ptr + row.to(tl.int64) * stride_table
-    head_offset = kv_head * stride_cache_head
+    head_offset = kv_head * STRIDE_CACHE_HEAD
     # Every row sees the whole chunk: only the ragged last tile needs a mask.
     last_pos = tl.full([BLOCK_H], 0, tl.int32) + end - 1
     whole_tiles_end = start + (end - start) // BLOCK_N * BLOCK_N
@@ -223,30 +231,33 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     acc, l_i, m_i = attend_kv_range(
         acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-        start, whole_tiles_end, scale_log2, stride_cache_block, stride_cache_slot,
+        start, whole_tiles_end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
         HEAD_DIM, PAGE, BLOCK_N, False,
     )
     acc, l_i, m_i = attend_kv_range(
         acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-        whole_tiles_end, end, scale_log2, stride_cache_block, stride_cache_slot,
+        whole_tiles_end, end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
         HEAD_DIM, PAGE, BLOCK_N, True,
     )
 
-    out_offsets = row * stride_out_tok + heads * stride_out_head + split * stride_out_split
-    out_ptrs = out_ptr + out_offsets[:, None] + dims[None, :]
     result = acc / l_i[:, None]
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    if not WRITE_FINAL:
-        lse_offsets = row * stride_lse_tok + heads * stride_lse_head + split
-        tl.store(lse_ptr + lse_offsets, m_i + tl.log2(l_i), mask=head_mask)
+    if WRITE_FINAL:
+        out_ptrs = out_ptr + row * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD + dims[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        # The plan's workspace is contiguous [batch, heads, splits, (head_dim)].
+        partial_rows = (row * NUM_HEADS + heads) * num_splits + split
+        partial_ptrs = partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(partial_ptrs, result, mask=head_mask[:, None])
+        tl.store(partial_lse_ptr + partial_rows, m_i + tl.log2(l_i), mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr, num_splits,
-    stride_part_tok, stride_part_head,
-    stride_lse_tok, stride_lse_head,
-    stride_out_tok, stride_out_head,
+    STRIDE_OUT_TOK: tl.constexpr,
+    STRIDE_OUT_HEAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -260,19 +271,19 @@ def _decode_merge_kernel(
     splits = tl.arange(0, SPLITS_PAD)
     used = splits < num_used
     dims = tl.arange(0, HEAD_DIM)
-    lse_ptrs = partial_lse_ptr + row * stride_lse_tok + head * stride_lse_head + splits
-    lse = tl.load(lse_ptrs, mask=used, other=float("-inf"))
+    partial_rows = (row * NUM_HEADS + head) * num_splits + splits
+    lse = tl.load(partial_lse_ptr + partial_rows, mask=used, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
     partial = tl.load(
-        partial_out_ptr
-        + row * stride_part_tok
-        + head * stride_part_head
-        + splits[:, None] * HEAD_DIM
-        + dims[None, :],
+        partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :],
         mask=used[:, None],
         other=0.0,
     )
     merged = tl.sum(partial * weights[:, None], 0)
-    out_ptrs = out_ptr + row * stride_out_tok + head * stride_out_head + dims
+    out_ptrs = out_ptr + row * STRIDE_OUT_TOK + head * STRIDE_OUT_HEAD + dims
     tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
+
+
+_launch_split = CachedLauncher(_decode_split_kernel)
+_launch_merge = CachedLauncher(_decode_merge_kernel)

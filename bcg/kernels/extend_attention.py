@@ -21,6 +21,7 @@ import triton.language as tl
 
 from bcg.kernels._attention_tile import attend_kv_range
 from bcg.kernels._launch import (
+    CachedLauncher,
     paged_cache_geometry,
     require_last_dim_contiguous,
     require_same_device,
@@ -34,7 +35,7 @@ class ExtendConfig:
     """Tile shape: query rows (tokens x group heads) and KV tokens per step, warps, stages."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
 
@@ -90,20 +91,23 @@ def extend_attention(
     tokens_per_tile = config.block_m // group
     # Every sequence wastes at most one partial tile, so this bounds the tile count.
     max_tiles = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs
-    _extend_kernel[(max_tiles, num_kv_heads)](
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
-        scale * LOG2_E, num_seqs, max_tiles,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group,
-        TOKENS_PER_TILE=tokens_per_tile,
-        SEQS_PAD=max(2, triton.next_power_of_2(num_seqs)),
-        HEAD_DIM=head_dim,
-        PAGE=block_size,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
+    _launch_extend(
+        (max_tiles, num_kv_heads),
+        (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
+         scale * LOG2_E, num_seqs, max_tiles, block_tables.stride(0)),
+        dict(
+            STRIDE_Q_TOK=q.stride(0), STRIDE_Q_HEAD=q.stride(1),
+            STRIDE_CACHE_BLOCK=k_cache.stride(0), STRIDE_CACHE_SLOT=k_cache.stride(1),
+            STRIDE_CACHE_HEAD=k_cache.stride(2),
+            STRIDE_OUT_TOK=out.stride(0), STRIDE_OUT_HEAD=out.stride(1),
+            GROUP=group,
+            TOKENS_PER_TILE=tokens_per_tile,
+            SEQS_PAD=max(2, triton.next_power_of_2(num_seqs)),
+            HEAD_DIM=head_dim,
+            PAGE=block_size,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -116,14 +120,17 @@ def _pick(values, index_vec, index):
     return tl.sum(tl.where(index_vec == index, values, 0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "max_tiles", "stride_table"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, out_ptr,
-    scale_log2, num_seqs, max_tiles,
-    stride_q_tok, stride_q_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
-    stride_table,
-    stride_out_tok, stride_out_head,
+    scale_log2, num_seqs, max_tiles, stride_table,
+    STRIDE_Q_TOK: tl.constexpr,
+    STRIDE_Q_HEAD: tl.constexpr,
+    STRIDE_CACHE_BLOCK: tl.constexpr,
+    STRIDE_CACHE_SLOT: tl.constexpr,
+    STRIDE_CACHE_HEAD: tl.constexpr,
+    STRIDE_OUT_TOK: tl.constexpr,
+    STRIDE_OUT_HEAD: tl.constexpr,
     GROUP: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
     SEQS_PAD: tl.constexpr,
@@ -158,13 +165,13 @@ def _extend_kernel(
     dims = tl.arange(0, HEAD_DIM)
     token_rows = (q_start + tokens).to(tl.int64)
     q = tl.load(
-        q_ptr + token_rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+        q_ptr + token_rows[:, None] * STRIDE_Q_TOK + heads[:, None] * STRIDE_Q_HEAD + dims[None, :],
         mask=row_mask[:, None],
         other=0.0,
     )
     q_pos = prefix_len + tokens
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-    head_offset = kv_head * stride_cache_head
+    head_offset = kv_head * STRIDE_CACHE_HEAD
     # Positions up to prefix_len + first_token are visible to every row: no mask there.
     unmasked_end = (prefix_len + first_token + 1) // BLOCK_N * BLOCK_N
     kv_end = prefix_len + tl.minimum(first_token + TOKENS_PER_TILE, q_len)
@@ -174,18 +181,21 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = attend_kv_range(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-        0, unmasked_end, scale_log2, stride_cache_block, stride_cache_slot,
+        0, unmasked_end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
         HEAD_DIM, PAGE, BLOCK_N, False,
     )
     acc, l_i, m_i = attend_kv_range(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-        unmasked_end, kv_end, scale_log2, stride_cache_block, stride_cache_slot,
+        unmasked_end, kv_end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
         HEAD_DIM, PAGE, BLOCK_N, True,
     )
 
     out_ptrs = (
-        out_ptr + token_rows[:, None] * stride_out_tok + heads[:, None] * stride_out_head
+        out_ptr + token_rows[:, None] * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD
         + dims[None, :]
     )
     result = acc / l_i[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+_launch_extend = CachedLauncher(_extend_kernel)

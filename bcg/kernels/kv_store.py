@@ -6,7 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import require_last_dim_contiguous, require_same_device
+from bcg.kernels._launch import (
+    CachedLauncher,
+    require_last_dim_contiguous,
+    require_same_device,
+)
 
 
 def store_kv(
@@ -46,34 +50,44 @@ def store_kv(
     require_same_device(k=k, v=v, k_cache=k_cache, slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1),
-        NUM_KV_HEADS=num_kv_heads,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
+    _launch_store_kv(
+        (num_tokens,),
+        (k, v, k_cache, v_cache, slot_mapping),
+        dict(
+            STRIDE_K_TOK=k.stride(0), STRIDE_K_HEAD=k.stride(1),
+            STRIDE_V_TOK=v.stride(0), STRIDE_V_HEAD=v.stride(1),
+            STRIDE_SLOT=k_cache.stride(1),
+            NUM_KV_HEADS=num_kv_heads,
+            HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+            HEAD_DIM=head_dim,
+        ),
     )
 
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_slot,
+    STRIDE_K_TOK: tl.constexpr,
+    STRIDE_K_HEAD: tl.constexpr,
+    STRIDE_V_TOK: tl.constexpr,
+    STRIDE_V_HEAD: tl.constexpr,
+    STRIDE_SLOT: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
         return
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     mask = (heads < NUM_KV_HEADS)[:, None]
-    cache_offsets = slot * stride_slot + heads[:, None] * HEAD_DIM + dims[None, :]
-    k_offsets = token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :]
-    v_offsets = token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
+    cache_offsets = slot * STRIDE_SLOT + heads[:, None] * HEAD_DIM + dims[None, :]
+    k_offsets = token * STRIDE_K_TOK + heads[:, None] * STRIDE_K_HEAD + dims[None, :]
+    v_offsets = token * STRIDE_V_TOK + heads[:, None] * STRIDE_V_HEAD + dims[None, :]
     tl.store(k_cache_ptr + cache_offsets, tl.load(k_ptr + k_offsets, mask=mask), mask=mask)
     tl.store(v_cache_ptr + cache_offsets, tl.load(v_ptr + v_offsets, mask=mask), mask=mask)
+
+
+_launch_store_kv = CachedLauncher(_store_kv_kernel)

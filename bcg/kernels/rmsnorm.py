@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import require_last_dim_contiguous
+from bcg.kernels._launch import CachedLauncher, require_last_dim_contiguous
 
 # Elements per thread beyond which a row gets more warps.
 ELEMENTS_PER_THREAD = 8
@@ -85,11 +85,20 @@ def _launch(
     require_last_dim_contiguous("residual", residual_or_x)
     block = triton.next_power_of_2(hidden)
     num_warps = min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD)))
-    _rms_norm_kernel[(num_rows,)](
-        x, residual_or_x, weight, out, eps, hidden, heads,
-        *_row_strides(x), *_row_strides(residual_or_x), *_row_strides(out),
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
+    x_tok, x_head = _row_strides(x)
+    res_tok, res_head = _row_strides(residual_or_x)
+    out_tok, out_head = _row_strides(out)
+    _launch_rms_norm(
+        (num_rows,),
+        (x, residual_or_x, weight, out, eps),
+        dict(
+            HIDDEN=hidden, HEADS=heads,
+            STRIDE_X_TOK=x_tok, STRIDE_X_HEAD=x_head,
+            STRIDE_RES_TOK=res_tok, STRIDE_RES_HEAD=res_head,
+            STRIDE_OUT_TOK=out_tok, STRIDE_OUT_HEAD=out_head,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+        ),
         num_warps=num_warps,
     )
 
@@ -101,29 +110,37 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int]:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, eps, hidden, heads,
-    stride_x_tok, stride_x_head,
-    stride_res_tok, stride_res_head,
-    stride_out_tok, stride_out_head,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, eps,
+    HIDDEN: tl.constexpr,
+    HEADS: tl.constexpr,
+    STRIDE_X_TOK: tl.constexpr,
+    STRIDE_X_HEAD: tl.constexpr,
+    STRIDE_RES_TOK: tl.constexpr,
+    STRIDE_RES_HEAD: tl.constexpr,
+    STRIDE_OUT_TOK: tl.constexpr,
+    STRIDE_OUT_HEAD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    token = (row // heads).to(tl.int64)
-    head = row % heads
+    token = (row // HEADS).to(tl.int64)
+    head = row % HEADS
     cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    x_ptrs = x_ptr + token * stride_x_tok + head * stride_x_head + cols
+    mask = cols < HIDDEN
+    x_ptrs = x_ptr + token * STRIDE_X_TOK + head * STRIDE_X_HEAD + cols
     x = tl.load(x_ptrs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        res_ptrs = residual_ptr + token * stride_res_tok + head * stride_res_head + cols
+        res_ptrs = residual_ptr + token * STRIDE_RES_TOK + head * STRIDE_RES_HEAD + cols
         x = (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(
             x.dtype
         )
         tl.store(res_ptrs, x, mask=mask)
     x32 = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / HIDDEN + eps)
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + token * stride_out_tok + head * stride_out_head + cols
+    out_ptrs = out_ptr + token * STRIDE_OUT_TOK + head * STRIDE_OUT_HEAD + cols
     tl.store(out_ptrs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_launch_rms_norm = CachedLauncher(_rms_norm_kernel)

@@ -11,7 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import require_last_dim_contiguous, require_same_device
+from bcg.kernels._launch import (
+    CachedLauncher,
+    require_last_dim_contiguous,
+    require_same_device,
+)
 
 
 def apply_rotary(
@@ -49,14 +53,19 @@ def apply_rotary(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=half,
+    _launch_rotary(
+        (num_tokens,),
+        (q, k, positions, cos, sin),
+        dict(
+            STRIDE_Q_TOK=q.stride(0), STRIDE_Q_HEAD=q.stride(1),
+            STRIDE_K_TOK=k.stride(0), STRIDE_K_HEAD=k.stride(1),
+            STRIDE_TABLE=cos.stride(0),
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF=half,
+        ),
     )
 
 
@@ -81,7 +90,11 @@ def _rotate_heads(
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_table,
+    STRIDE_Q_TOK: tl.constexpr,
+    STRIDE_Q_HEAD: tl.constexpr,
+    STRIDE_K_TOK: tl.constexpr,
+    STRIDE_K_HEAD: tl.constexpr,
+    STRIDE_TABLE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr,
@@ -91,11 +104,14 @@ def _rotary_kernel(
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + position * stride_table + dims)
-    sin = tl.load(sin_ptr + position * stride_table + dims)
+    cos = tl.load(cos_ptr + position * STRIDE_TABLE + dims)
+    sin = tl.load(sin_ptr + position * STRIDE_TABLE + dims)
     _rotate_heads(
-        q_ptr + token * stride_q_tok, stride_q_head, cos, sin, NUM_HEADS, Q_HEADS_PAD, HALF
+        q_ptr + token * STRIDE_Q_TOK, STRIDE_Q_HEAD, cos, sin, NUM_HEADS, Q_HEADS_PAD, HALF
     )
     _rotate_heads(
-        k_ptr + token * stride_k_tok, stride_k_head, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF
+        k_ptr + token * STRIDE_K_TOK, STRIDE_K_HEAD, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF
     )
+
+
+_launch_rotary = CachedLauncher(_rotary_kernel)
