@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU suite and the benchmarks, for the device machine (see README "GPU checks").
+# Usage: scripts/gpu_check.sh [step ...]   steps: tests bench_graph bench_buffers ... (default: all)
+# Wheels missing on that machine travel in .whl/ (carry it) and are installed to /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+log_dir="${OUT:-/tmp/gpu_check}"
+mkdir -p "$log_dir"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests bench_graph bench_buffers)
+summary=()
+for step in "${steps[@]}"; do
+  echo "=== $step"
+  if [ "$step" = tests ]; then
+    python3 -m pytest -q -m gpu tests 2>&1 | tee "$log_dir/tests.log"
+    summary+=("tests: $(tail -n 1 "$log_dir/tests.log")")
+  else
+    python3 "bench/$step.py" 2>&1 | tee "$log_dir/$step.log"
+    status=$?
+    cp -f "bench/results/$step.json" "$log_dir/" 2>/dev/null
+    summary+=("$step: exit $status, $(ls "bench/results/$step.json" 2>/dev/null || echo 'no json')")
+  fi
+done
+echo
+echo "=== summary ($(python3 -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)'))"
+printf '%s\n' "${summary[@]}"
