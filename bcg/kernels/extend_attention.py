@@ -28,6 +28,8 @@ from bcg.kernels._launch import (
 )
 
 LOG2_E = 1.4426950408889634
+# Sequence counts are padded to powers of two from here: few compiled variants, cheap lookup.
+MIN_SEQS_PAD = 64
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def extend_attention(
             STRIDE_OUT_TOK=out.stride(0), STRIDE_OUT_HEAD=out.stride(1),
             GROUP=group,
             TOKENS_PER_TILE=tokens_per_tile,
-            SEQS_PAD=max(2, triton.next_power_of_2(num_seqs)),
+                SEQS_PAD=max(MIN_SEQS_PAD, triton.next_power_of_2(num_seqs)),
             HEAD_DIM=head_dim,
             PAGE=block_size,
             BLOCK_M=config.block_m,
