@@ -104,7 +104,7 @@ def extend_attention(
             STRIDE_OUT_TOK=out.stride(0), STRIDE_OUT_HEAD=out.stride(1),
             GROUP=group,
             TOKENS_PER_TILE=tokens_per_tile,
-                SEQS_PAD=max(MIN_SEQS_PAD, triton.next_power_of_2(num_seqs)),
+            SEQS_PAD=max(MIN_SEQS_PAD, triton.next_power_of_2(num_seqs)),
             HEAD_DIM=head_dim,
             PAGE=block_size,
             BLOCK_M=config.block_m,
