@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 import triton
@@ -21,6 +22,16 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` costs microseconds per host call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n, for n >= 1 (host-side, cheap)."""
+    return 1 << (n - 1).bit_length()
+
+
 def require_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
     """Kernels index the last dimension with unit stride; anything else is a caller bug."""
     if tensor.stride(-1) != 1:
@@ -30,13 +41,6 @@ def require_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def require_same_device(**tensors: torch.Tensor) -> None:
-    """All tensors of one kernel call must live on one device."""
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
-
-
 def paged_cache_geometry(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> tuple[int, int, int]:
@@ -44,26 +48,28 @@ def paged_cache_geometry(
 
     ``q`` is ``[num_tokens, num_heads, head_dim]``; each cache is
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, both with the same strides.
+    Runs on every attention call, so each tensor's shape and strides are read once.
     """
-    if q.dim() != 3 or k_cache.dim() != 4:
+    q_shape, cache_shape, cache_strides = q.shape, k_cache.shape, k_cache.stride()
+    if len(q_shape) != 3 or len(cache_shape) != 4:
         raise ValueError(
             f"expected q [tokens, heads, head_dim] and caches [blocks, block_size, kv_heads, "
-            f"head_dim], got q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}"
+            f"head_dim], got q {tuple(q_shape)} and k_cache {tuple(cache_shape)}"
         )
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+    if cache_shape != v_cache.shape or cache_strides != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
-    if q.shape[2] != head_dim or num_heads % num_kv_heads:
+    _, block_size, num_kv_heads, head_dim = cache_shape
+    _, num_heads, q_head_dim = q_shape
+    if q_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(
-            f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}: head_dim must "
+            f"q {tuple(q_shape)} does not fit the cache {tuple(cache_shape)}: head_dim must "
             "match and num_heads must be a multiple of num_kv_heads"
         )
-    for size, what in ((head_dim, "head_dim"), (block_size, "block_size")):
-        if size & (size - 1):
-            raise ValueError(f"{what} must be a power of two, got {size}")
+    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
+        raise ValueError(f"head_dim and block_size must be powers of two, got {cache_shape}")
     require_last_dim_contiguous("q", q)
-    require_last_dim_contiguous("k_cache", k_cache)
+    if cache_strides[3] != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last dimension")
     return block_size, num_kv_heads, num_heads // num_kv_heads
 
 
@@ -71,14 +77,14 @@ class CachedLauncher:
     """Launches one Triton kernel through its compiled launcher, skipping ``JITFunction.run``.
 
     ``JITFunction.run`` re-derives every argument's specialisation and re-reads Triton's
-    environment knobs on each call: about 12 µs of host time for a one-argument kernel on the
-    H100 host, 40+ µs for an attention kernel, more than the whole call may take on the GPU.
-    Kernels launched here take their strides and sizes as constexprs and declare every other
-    integer ``do_not_specialize``, so a compiled kernel is fully determined by the
-    constexprs, the launch options, the device and each tensor's dtype and 16-byte
-    alignment: that tuple keys a cache of compiled kernels. A key's first call, and every
-    call under the interpreter, goes through ``JITFunction.run``. Launch hooks (profilers
-    such as proton) see only those first calls.
+    environment knobs on each call: about 10 µs of host time for a one-argument kernel on the
+    H100 host, more than an attention kernel's whole budget. Kernels launched here take
+    tensors first, then runtime scalars (every integer among them ``do_not_specialize``),
+    then constexprs (strides, sizes, tiles). A compiled kernel is then fully determined by
+    the constexprs, the launch options, the device, the tensor dtypes and pointer alignment;
+    the fast path serves the usual case of all pointers 16-byte aligned from a cache keyed by
+    the rest. A key's first call, misaligned pointers and every call under the interpreter go
+    through ``JITFunction.run``; launch hooks (profilers such as proton) see only those.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
@@ -95,42 +101,50 @@ class CachedLauncher:
     def __call__(
         self,
         grid: tuple[int, ...],
-        args: tuple,
+        tensors: tuple[torch.Tensor, ...],
+        scalars: tuple,
         constexprs: dict,
         num_warps: int = 4,
         num_stages: int = 3,
     ) -> None:
-        """Launch ``kernel[grid](*args, **constexprs)``; ``args`` are the runtime arguments."""
+        """Launch ``kernel[grid](*tensors, *scalars, **constexprs)``."""
         if not self.compiles:
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self._launch_through_triton(grid, tensors, scalars, constexprs, num_warps, num_stages)
             return
-        tensor_key = tuple(
-            (a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)
-        )
-        device = args[0].device.index
-        key = (device, tensor_key, tuple(constexprs.values()), num_warps, num_stages)
-        compiled = self.compiled.get(key)
+        misaligned = functools.reduce(operator.or_, [t.data_ptr() for t in tensors]) % 16
+        device = tensors[0].get_device()
+        constants = tuple(constexprs.values())
+        key = (device, tuple([t.dtype for t in tensors]), constants, num_warps, num_stages)
+        compiled = None if misaligned else self.compiled.get(key)
         if compiled is None:
-            self._check_integers_unspecialized(args)
-            self.compiled[key] = self.kernel[grid](
-                *args, **constexprs, num_warps=num_warps, num_stages=num_stages
+            compiled = self._launch_through_triton(
+                grid, tensors, scalars, constexprs, num_warps, num_stages
             )
+            if not misaligned:
+                self.compiled[key] = compiled
             return
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         compiled.run(
-            grid[0], grid_y, grid_z,
+            grid_x, grid_y, grid_z,
             triton.runtime.driver.active.get_current_stream(device),
             compiled.function, compiled.packed_metadata, None, None, None,
-            *args, *(constexprs[name] for name in self.constexpr_names),
+            *tensors, *scalars, *constants,
         )
 
-    def _check_integers_unspecialized(self, args: tuple) -> None:
-        """A specialised integer (== 1, % 16) would be baked into the cached kernel."""
+    def _launch_through_triton(
+        self, grid, tensors, scalars, constexprs, num_warps, num_stages
+    ) -> object:
+        """The ordinary launch (compiling if needed); returns Triton's compiled kernel."""
+        if self.compiles and list(constexprs) != self.constexpr_names:
+            raise TypeError(
+                f"{self.kernel}: pass constexprs in signature order {self.constexpr_names}"
+            )
+        args = (*tensors, *scalars)
         for index, arg in enumerate(args):
             is_int = isinstance(arg, int) and not isinstance(arg, bool)
-            if is_int and index not in self.unspecialized:
+            if self.compiles and is_int and index not in self.unspecialized:
                 raise TypeError(
                     f"{self.kernel}: integer argument {index} must be a constexpr or listed in "
                     "do_not_specialize to be launched through CachedLauncher"
                 )
+        return self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)

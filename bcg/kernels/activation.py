@@ -6,7 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import CachedLauncher, require_last_dim_contiguous
+from bcg.kernels._launch import (
+    CachedLauncher,
+    cdiv,
+    require_last_dim_contiguous,
+)
 
 BLOCK = 1024
 
@@ -31,10 +35,11 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if num_tokens == 0:
         return out
     _launch_silu_and_mul(
-        (num_tokens, triton.cdiv(intermediate, BLOCK)),
+        (num_tokens, cdiv(intermediate, BLOCK)),
         (x, out),
-        dict(INTERMEDIATE=intermediate, STRIDE_X=x.stride(0), STRIDE_OUT=out.stride(0),
-             BLOCK=BLOCK),
+        (),
+        {"INTERMEDIATE": intermediate, "STRIDE_X": x.stride(0), "STRIDE_OUT": out.stride(0),
+         "BLOCK": BLOCK},
     )
     return out
 

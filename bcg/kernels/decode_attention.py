@@ -20,10 +20,10 @@ from bcg.kernels._attention_tile import attend_kv_range
 from bcg.kernels._launch import (
     PROGRAMS_PER_SM,
     CachedLauncher,
+    cdiv,
     multiprocessor_count,
+    next_power_of_2,
     paged_cache_geometry,
-    require_last_dim_contiguous,
-    require_same_device,
 )
 
 LOG2_E = 1.4426950408889634
@@ -37,8 +37,8 @@ MIN_DOT_ROWS = 16
 class DecodeConfig:
     """Tile shape of the split kernel: KV tokens per step, warps, pipeline stages."""
 
-    block_n: int = 64
-    num_warps: int = 2
+    block_n: int = 32
+    num_warps: int = 4
     num_stages: int = 3
 
 
@@ -59,13 +59,12 @@ class DecodePlan:
     """
 
     num_splits: int
+    max_batch: int
+    num_heads: int
+    head_dim: int
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
     config: DecodeConfig
-
-    @property
-    def max_batch(self) -> int:
-        return self.partial_out.shape[0]
 
 
 def plan_decode(
@@ -87,13 +86,15 @@ def plan_decode(
     config = config or default_decode_config(device)
     if num_splits is None:
         target_programs = PROGRAMS_PER_SM * multiprocessor_count(device)
-        num_splits = triton.cdiv(target_programs, batch_size * num_kv_heads)
+        num_splits = cdiv(target_programs, batch_size * num_kv_heads)
         num_splits = min(MAX_SPLITS, max(1, num_splits))
     partial_out = torch.empty(
         batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
     )
     partial_lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=device)
-    return DecodePlan(num_splits, partial_out, partial_lse, config)
+    return DecodePlan(
+        num_splits, batch_size, num_heads, head_dim, partial_out, partial_lse, config
+    )
 
 
 def decode_attention(
@@ -125,51 +126,55 @@ def decode_attention(
     batch, num_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
-    require_last_dim_contiguous("out", out)
-    require_same_device(q=q, k_cache=k_cache, seq_lens=seq_lens, block_tables=block_tables)
+    out_strides = out.stride()
+    if out_strides[2] != 1:
+        raise ValueError(f"out needs a contiguous last dimension, got strides {out_strides}")
     if plan is None:
         plan = plan_decode(batch, num_heads, num_kv_heads, head_dim, q.device)
-    if plan.max_batch < batch or plan.partial_out.shape[1:] != (
-        num_heads, plan.num_splits, head_dim
-    ):
+    if plan.max_batch < batch or (plan.num_heads, plan.head_dim) != (num_heads, head_dim):
         raise ValueError(
-            f"plan is for {tuple(plan.partial_out.shape)} [batch, heads, splits, head_dim], "
-            f"too small or mismatched for q {tuple(q.shape)}: build it with plan_decode()"
+            f"plan is for up to {plan.max_batch} rows of {plan.num_heads} heads x "
+            f"{plan.head_dim}, not q {tuple(q.shape)}: build a fitting one with plan_decode()"
         )
     single_split = plan.num_splits == 1
     config = plan.config
-    out_strides = dict(STRIDE_OUT_TOK=out.stride(0), STRIDE_OUT_HEAD=out.stride(1))
+    q_strides, cache_strides = q.stride(), k_cache.stride()
     _launch_split(
         (batch, num_kv_heads, plan.num_splits),
-        (q, k_cache, v_cache, seq_lens, block_tables, out, plan.partial_out, plan.partial_lse,
-         scale * LOG2_E, plan.num_splits, block_tables.stride(0)),
-        dict(
-            STRIDE_Q_TOK=q.stride(0), STRIDE_Q_HEAD=q.stride(1),
-            STRIDE_CACHE_BLOCK=k_cache.stride(0), STRIDE_CACHE_SLOT=k_cache.stride(1),
-            STRIDE_CACHE_HEAD=k_cache.stride(2),
-            **out_strides,
-            NUM_HEADS=num_heads,
-            GROUP=group,
-            BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim,
-            PAGE=block_size,
-            BLOCK_N=config.block_n,
-            WRITE_FINAL=single_split,
-        ),
+        (q, k_cache, v_cache, seq_lens, block_tables, out, plan.partial_out, plan.partial_lse),
+        (scale * LOG2_E, plan.num_splits, block_tables.stride(0)),
+        {
+            "STRIDE_Q_TOK": q_strides[0],
+            "STRIDE_Q_HEAD": q_strides[1],
+            "STRIDE_CACHE_BLOCK": cache_strides[0],
+            "STRIDE_CACHE_SLOT": cache_strides[1],
+            "STRIDE_CACHE_HEAD": cache_strides[2],
+            "STRIDE_OUT_TOK": out_strides[0],
+            "STRIDE_OUT_HEAD": out_strides[1],
+            "NUM_HEADS": num_heads,
+            "GROUP": group,
+            "BLOCK_H": max(MIN_DOT_ROWS, next_power_of_2(group)),
+            "HEAD_DIM": head_dim,
+            "PAGE": block_size,
+            "BLOCK_N": config.block_n,
+            "WRITE_FINAL": single_split,
+        },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if not single_split:
         _launch_merge(
             (batch, num_heads),
-            (plan.partial_out, plan.partial_lse, seq_lens, out, plan.num_splits),
-            dict(
-                **out_strides,
-                NUM_HEADS=num_heads,
-                HEAD_DIM=head_dim,
-                BLOCK_N=config.block_n,
-                SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
-            ),
+            (plan.partial_out, plan.partial_lse, seq_lens, out),
+            (plan.num_splits,),
+            {
+                "STRIDE_OUT_TOK": out_strides[0],
+                "STRIDE_OUT_HEAD": out_strides[1],
+                "NUM_HEADS": num_heads,
+                "HEAD_DIM": head_dim,
+                "BLOCK_N": config.block_n,
+                "SPLITS_PAD": next_power_of_2(plan.num_splits),
+            },
         )
     return out
 

@@ -22,9 +22,9 @@ import triton.language as tl
 from bcg.kernels._attention_tile import attend_kv_range
 from bcg.kernels._launch import (
     CachedLauncher,
+    cdiv,
+    next_power_of_2,
     paged_cache_geometry,
-    require_last_dim_contiguous,
-    require_same_device,
 )
 
 LOG2_E = 1.4426950408889634
@@ -39,14 +39,13 @@ class ExtendConfig:
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
 
 
-def default_extend_config(device: torch.device) -> ExtendConfig:
-    """Tuned on an H100; small tiles in the interpreter so tests cover several tiles."""
-    if device.type != "cuda":
-        return ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
-    return ExtendConfig()
+# Tuned on an H100 (bench/bench_attention.py --tune); small tiles in the interpreter so that
+# tests cover several tiles per sequence.
+GPU_CONFIG = ExtendConfig()
+INTERPRETER_CONFIG = ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 
 
 def extend_attention(
@@ -81,9 +80,10 @@ def extend_attention(
     num_tokens, num_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
-    require_last_dim_contiguous("out", out)
-    require_same_device(q=q, k_cache=k_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
-    config = config or default_extend_config(q.device)
+    out_strides = out.stride()
+    if out_strides[2] != 1:
+        raise ValueError(f"out needs a contiguous last dimension, got strides {out_strides}")
+    config = config or (GPU_CONFIG if q.is_cuda else INTERPRETER_CONFIG)
     if group > config.block_m:
         raise ValueError(
             f"{group} query heads per KV head exceed the tile of {config.block_m} rows; "
@@ -92,24 +92,28 @@ def extend_attention(
     num_seqs = seq_lens.shape[0]
     tokens_per_tile = config.block_m // group
     # Every sequence wastes at most one partial tile, so this bounds the tile count.
-    max_tiles = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs
+    max_tiles = cdiv(num_tokens, tokens_per_tile) + num_seqs
+    q_strides, cache_strides = q.stride(), k_cache.stride()
     _launch_extend(
         (max_tiles, num_kv_heads),
-        (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
-         scale * LOG2_E, num_seqs, max_tiles, block_tables.stride(0)),
-        dict(
-            STRIDE_Q_TOK=q.stride(0), STRIDE_Q_HEAD=q.stride(1),
-            STRIDE_CACHE_BLOCK=k_cache.stride(0), STRIDE_CACHE_SLOT=k_cache.stride(1),
-            STRIDE_CACHE_HEAD=k_cache.stride(2),
-            STRIDE_OUT_TOK=out.stride(0), STRIDE_OUT_HEAD=out.stride(1),
-            GROUP=group,
-            TOKENS_PER_TILE=tokens_per_tile,
-            SEQS_PAD=max(MIN_SEQS_PAD, triton.next_power_of_2(num_seqs)),
-            HEAD_DIM=head_dim,
-            PAGE=block_size,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-        ),
+        (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out),
+        (scale * LOG2_E, num_seqs, max_tiles, block_tables.stride(0)),
+        {
+            "STRIDE_Q_TOK": q_strides[0],
+            "STRIDE_Q_HEAD": q_strides[1],
+            "STRIDE_CACHE_BLOCK": cache_strides[0],
+            "STRIDE_CACHE_SLOT": cache_strides[1],
+            "STRIDE_CACHE_HEAD": cache_strides[2],
+            "STRIDE_OUT_TOK": out_strides[0],
+            "STRIDE_OUT_HEAD": out_strides[1],
+            "GROUP": group,
+            "TOKENS_PER_TILE": tokens_per_tile,
+            "SEQS_PAD": max(MIN_SEQS_PAD, next_power_of_2(num_seqs)),
+            "HEAD_DIM": head_dim,
+            "PAGE": block_size,
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+        },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -8,8 +8,7 @@ import triton.language as tl
 
 from bcg.kernels._launch import (
     CachedLauncher,
-    require_last_dim_contiguous,
-    require_same_device,
+    next_power_of_2,
 )
 
 
@@ -26,41 +25,46 @@ def store_kv(
         k, v: ``[num_tokens, num_kv_heads, head_dim]``, last dim contiguous (views into a
             fused qkv projection are fine).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype,
-            same strides, each token's heads contiguous.
+            contiguous.
         slot_mapping: int64 ``[num_tokens]``, ``block_id * block_size + offset``; a negative
             slot (padding) writes nothing.
 
     One launch, no host synchronisation: safe to capture in a CUDA graph.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
-    if k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.shape != v_cache.shape:
+    cache_shape, cache_strides = k_cache.shape, k_cache.stride()
+    if cache_shape[2:] != (num_kv_heads, head_dim) or cache_shape != v_cache.shape:
         raise ValueError(
-            f"k {tuple(k.shape)} does not fit caches {tuple(k_cache.shape)} / "
+            f"k {tuple(k.shape)} does not fit caches {tuple(cache_shape)} / "
             f"{tuple(v_cache.shape)} [blocks, block_size, kv_heads, head_dim]"
         )
-    block_size = k_cache.shape[1]
-    slots_dense = k_cache.stride(0) == block_size * k_cache.stride(1)
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != head_dim or not slots_dense:
+    # Slots are addressed as one flat index, so blocks, slots and heads must be dense.
+    dense = cache_strides == (cache_shape[1] * num_kv_heads * head_dim,
+                              num_kv_heads * head_dim, head_dim, 1)
+    if not dense or cache_strides != v_cache.stride():
         raise ValueError(
-            "k_cache and v_cache must share strides, with blocks, slots and heads contiguous "
-            f"(got strides {tuple(k_cache.stride())}); allocate them with torch.empty"
+            f"k_cache and v_cache must be contiguous with equal strides, got {cache_strides} "
+            f"and {v_cache.stride()}; allocate them with torch.empty"
         )
-    for name, tensor in (("k", k), ("v", v), ("k_cache", k_cache)):
-        require_last_dim_contiguous(name, tensor)
-    require_same_device(k=k, v=v, k_cache=k_cache, slot_mapping=slot_mapping)
+    k_strides, v_strides = k.stride(), v.stride()
+    if k_strides[2] != 1 or v_strides[2] != 1:
+        raise ValueError(f"k and v need a contiguous last dimension, got {k_strides}, {v_strides}")
     if num_tokens == 0:
         return
     _launch_store_kv(
         (num_tokens,),
         (k, v, k_cache, v_cache, slot_mapping),
-        dict(
-            STRIDE_K_TOK=k.stride(0), STRIDE_K_HEAD=k.stride(1),
-            STRIDE_V_TOK=v.stride(0), STRIDE_V_HEAD=v.stride(1),
-            STRIDE_SLOT=k_cache.stride(1),
-            NUM_KV_HEADS=num_kv_heads,
-            HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-            HEAD_DIM=head_dim,
-        ),
+        (),
+        {
+            "STRIDE_K_TOK": k_strides[0],
+            "STRIDE_K_HEAD": k_strides[1],
+            "STRIDE_V_TOK": v_strides[0],
+            "STRIDE_V_HEAD": v_strides[1],
+            "STRIDE_SLOT": cache_strides[1],
+            "NUM_KV_HEADS": num_kv_heads,
+            "HEADS_PAD": next_power_of_2(num_kv_heads),
+            "HEAD_DIM": head_dim,
+        },
     )
 
 

@@ -10,7 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import CachedLauncher, require_last_dim_contiguous
+from bcg.kernels._launch import (
+    CachedLauncher,
+    next_power_of_2,
+    require_last_dim_contiguous,
+)
 
 # Elements per thread beyond which a row gets more warps.
 ELEMENTS_PER_THREAD = 8
@@ -83,22 +87,27 @@ def _launch(
     # Without a residual the kernel never touches its pointer; x stands in for it.
     residual_or_x = x if residual is None else residual
     require_last_dim_contiguous("residual", residual_or_x)
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     num_warps = min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD)))
     x_tok, x_head = _row_strides(x)
     res_tok, res_head = _row_strides(residual_or_x)
     out_tok, out_head = _row_strides(out)
     _launch_rms_norm(
         (num_rows,),
-        (x, residual_or_x, weight, out, eps),
-        dict(
-            HIDDEN=hidden, HEADS=heads,
-            STRIDE_X_TOK=x_tok, STRIDE_X_HEAD=x_head,
-            STRIDE_RES_TOK=res_tok, STRIDE_RES_HEAD=res_head,
-            STRIDE_OUT_TOK=out_tok, STRIDE_OUT_HEAD=out_head,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=block,
-        ),
+        (x, residual_or_x, weight, out),
+        (eps,),
+        {
+            "HIDDEN": hidden,
+            "HEADS": heads,
+            "STRIDE_X_TOK": x_tok,
+            "STRIDE_X_HEAD": x_head,
+            "STRIDE_RES_TOK": res_tok,
+            "STRIDE_RES_HEAD": res_head,
+            "STRIDE_OUT_TOK": out_tok,
+            "STRIDE_OUT_HEAD": out_head,
+            "HAS_RESIDUAL": residual is not None,
+            "BLOCK": block,
+        },
         num_warps=num_warps,
     )
 

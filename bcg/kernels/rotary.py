@@ -13,8 +13,8 @@ import triton.language as tl
 
 from bcg.kernels._launch import (
     CachedLauncher,
+    next_power_of_2,
     require_last_dim_contiguous,
-    require_same_device,
 )
 
 
@@ -49,23 +49,25 @@ def apply_rotary(
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     for name, tensor in (("q", q), ("k", k), ("cos", cos)):
         require_last_dim_contiguous(name, tensor)
-    require_same_device(q=q, k=k, positions=positions, cos=cos, sin=sin)
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
     _launch_rotary(
         (num_tokens,),
         (q, k, positions, cos, sin),
-        dict(
-            STRIDE_Q_TOK=q.stride(0), STRIDE_Q_HEAD=q.stride(1),
-            STRIDE_K_TOK=k.stride(0), STRIDE_K_HEAD=k.stride(1),
-            STRIDE_TABLE=cos.stride(0),
-            NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-            HALF=half,
-        ),
+        (),
+        {
+            "STRIDE_Q_TOK": q.stride(0),
+            "STRIDE_Q_HEAD": q.stride(1),
+            "STRIDE_K_TOK": k.stride(0),
+            "STRIDE_K_HEAD": k.stride(1),
+            "STRIDE_TABLE": cos.stride(0),
+            "NUM_HEADS": num_heads,
+            "NUM_KV_HEADS": num_kv_heads,
+            "Q_HEADS_PAD": next_power_of_2(num_heads),
+            "KV_HEADS_PAD": next_power_of_2(num_kv_heads),
+            "HALF": half,
+        },
     )
 
 
