@@ -36,9 +36,7 @@ class EngineConfig:
         "auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU",
         choices=("auto", *DTYPES),
     )
-    device: str = _arg(
-        "auto", "cuda or cpu; auto: cuda when available", choices=("auto", "cuda", "cpu")
-    )
+    device: str = _arg("auto", "cuda, cuda:N or cpu; auto: cuda when available")
     seed: int = _arg(0, "seed of dummy weights and of requests without their own seed")
     max_model_len: int | None = _arg(
         None, "longest sequence (prompt + output) in tokens; default: the model's context length"
@@ -73,7 +71,7 @@ class EngineConfig:
         require(self.dtype == "auto" or self.dtype in DTYPES,
                f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         require(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
-               f"device must be auto, cuda or cpu; got {self.device!r}")
+               f"device must be auto, cuda, cuda:N or cpu; got {self.device!r}")
         require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
 

