@@ -133,3 +133,26 @@ def test_duplicate_request_id_is_refused(llm):
     with pytest.raises(ValueError, match="already in use"):
         llm.engine.add_request(PROMPTS[1], GREEDY, request_id="same")
     llm.engine.abort_request("same")
+
+
+@pytest.mark.gpu
+def test_greedy_on_cuda_fp32_matches_transformers(tiny):
+    llm = LLM(model=str(tiny[0]), device="cuda", dtype="float32", block_size=4,
+              max_model_len=128, gpu_memory_utilization=0.3)
+    assert greedy_tokens(llm) == tiny[1]
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_kv_cache_sized_from_memory_and_seeds_hold(tiny):
+    import torch
+
+    llm = LLM(model=str(tiny[0]), device="cuda", max_model_len=128, gpu_memory_utilization=0.3)
+    storage = llm.engine.runner.kv_cache.storage
+    assert storage.dtype == torch.bfloat16
+    total = torch.cuda.mem_get_info()[1]
+    assert 128 <= llm.engine.runner.num_kv_blocks * 16
+    assert storage.numel() * storage.element_size() <= 0.3 * total
+    seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=12, seed=7, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    [alone] = greedy_tokens(llm, [PROMPTS[1]], seeded)
+    assert greedy_tokens(llm, PROMPTS, [other, seeded, other])[1] == alone
