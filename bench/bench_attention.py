@@ -8,7 +8,7 @@ Shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, KV block size 16.
 - host: Python-side microseconds per attention call (tiny problem, GPU never the bottleneck).
 The baseline gets the same values in its own layout (contiguous K/V per sequence).
 
-Run: python bench/bench_attention.py [--tune]
+Run: python bench/bench_attention.py [--tune] [--profile-host]
 """
 
 from __future__ import annotations
@@ -115,17 +115,24 @@ def graph_us(fns: list[Callable[[], object]], reps: int = 30) -> float:
     return gpu_us(graph.replay, reps) / len(fns)
 
 
-def host_us(fn: Callable[[], object], iters: int = 2000) -> float:
-    """Host time per call (µs): enqueue only, synchronised at the ends of a long run."""
-    for _ in range(20):
-        fn()
+def host_us(calls: dict[str, Callable[[], object]], rounds: int = 15, per_round: int = 200
+            ) -> dict[str, float]:
+    """Median host time per call (µs) of each callable: enqueue only. Rounds interleave the
+    callables, so a noisy stretch on the host hits all of them, and stay short enough that
+    the GPU's launch queue never fills and blocks the host."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():
+        for _ in range(20):
+            fn()
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            samples[name].append((time.perf_counter() - start) * 1e6 / per_round)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed * 1e6 / iters
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def measure_hbm_gbps() -> float:
@@ -319,20 +326,38 @@ def _store_one_kernel(x_ptr):
     tl.store(x_ptr, 1)
 
 
-def host_costs(baseline: Baseline) -> dict:
-    """Python-side µs per call on a tiny problem (one sequence of 16 tokens)."""
+def host_calls(baseline: Baseline) -> dict[str, Callable[[], object]]:
+    """Attention calls on a tiny problem (one sequence of 16 tokens): the GPU idles, so
+    timing them measures the host."""
     inputs = ExtendInputs.build(16, 0)
     kv, table = inputs.kv, inputs.kv.tables[0]
     decode_q, decode_out = inputs.q[:1], inputs.out[:1]
-    plan = plan_decode(1, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, "cuda")
+
+    def decode_call(num_splits: int | None) -> Callable[[], torch.Tensor]:
+        plan = plan_decode(1, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, "cuda", num_splits=num_splits)
+        return lambda: decode_attention(decode_q, kv.k_cache, kv.v_cache, inputs.seq_lens,
+                                        table, SCALE, out=decode_out, plan=plan)
+
     return {
-        "extend_attention": host_us(inputs.call_ours()),
-        "decode_attention": host_us(lambda: decode_attention(
-            decode_q, kv.k_cache, kv.v_cache, inputs.seq_lens, table, SCALE, out=decode_out,
-            plan=plan)),
-        "baseline": host_us(inputs.call_baseline(baseline)),
-        "triton_launch_floor": host_us(lambda: _store_one_kernel[(1,)](inputs.seq_lens)),
+        "extend_attention": inputs.call_ours(),
+        "decode_attention (split + merge)": decode_call(None),
+        "decode_attention (1 split, 1 launch)": decode_call(1),
+        "baseline": inputs.call_baseline(baseline),
+        "triton_launch_floor": lambda: _store_one_kernel[(1,)](inputs.seq_lens),
     }
+
+
+def profile_host(calls: dict[str, Callable[[], object]]) -> None:
+    """cProfile of our attention calls: where their host microseconds go."""
+    import cProfile
+    import pstats
+
+    for name in ("extend_attention", "decode_attention (split + merge)"):
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda fn=calls[name]: [fn() for _ in range(2000)])
+        torch.cuda.synchronize()
+        print(f"\nprofile of 2000 calls: {name}")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
 DECODE_CANDIDATES = [(32, 2, 3), (64, 2, 3), (64, 4, 3), (64, 2, 2), (128, 4, 2), (32, 4, 2)]
@@ -368,6 +393,8 @@ def tune(hbm_gbps: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="then sweep tile configs (prints only)")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="then profile the host side of our attention calls")
     args = parser.parse_args()
     require_cuda("bench_attention")
     torch.manual_seed(0)
@@ -377,8 +404,11 @@ def main() -> None:
           f"HBM copy bandwidth {hbm_gbps:.0f} GB/s (read + write)")
     decode = [decode_row(baseline, batch, context, hbm_gbps) for batch, context in DECODE_CASES]
     extend = [extend_row(baseline, new, prefix) for new, prefix in EXTEND_CASES]
-    host = host_costs(baseline)
+    calls = host_calls(baseline)
+    host = host_us(calls)
     report(baseline, hbm_gbps, decode, extend, host)
+    if args.profile_host:
+        profile_host(calls)
     if args.tune:
         tune(hbm_gbps)
 

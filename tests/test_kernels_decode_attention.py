@@ -123,3 +123,17 @@ def test_graph_replay_with_new_lengths_and_tables() -> None:
         static_out.fill_(POISON)
         graph.replay()
         assert_matches(static_out, static)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_take_the_fast_launch_path() -> None:
+    """Same shapes, new tensors: no launch goes back through JITFunction.run, and the
+    cached kernels still compute the right thing."""
+    generator = torch.Generator().manual_seed(21)
+    plan = decode.plan_decode(4, *HEAD_SHAPES[4][:3], DEVICE)
+    run_decode(decode_batch(random_lengths(4, generator), HEAD_SHAPES[4], generator), plan=plan)
+    launchers = (decode._launch_split, decode._launch_merge)
+    slow_before = [launcher.slow_launches for launcher in launchers]
+    batch = decode_batch(random_lengths(4, generator), HEAD_SHAPES[4], generator)
+    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+    assert [launcher.slow_launches for launcher in launchers] == slow_before

@@ -113,3 +113,15 @@ def test_graph_replay_with_new_batch_composition() -> None:
         static_out.fill_(POISON)
         graph.replay()
         assert_matches(static_out, static)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_take_the_fast_launch_path() -> None:
+    """Same shapes, new tensors: the launch skips JITFunction.run and stays correct."""
+    generator = torch.Generator().manual_seed(17)
+    first = batch_of([40, 3], [100, 0], HEAD_SHAPES[4], generator)
+    run_extend(first, torch.empty_like(first.q))
+    slow_before = extend._launch_extend.slow_launches
+    batch = batch_of([20, 23], [7, 300], HEAD_SHAPES[4], generator)
+    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+    assert extend._launch_extend.slow_launches == slow_before

@@ -83,13 +83,16 @@ class CachedLauncher:
     then constexprs (strides, sizes, tiles). A compiled kernel is then fully determined by
     the constexprs, the launch options, the device, the tensor dtypes and pointer alignment;
     the fast path serves the usual case of all pointers 16-byte aligned from a cache keyed by
-    the rest. A key's first call, misaligned pointers and every call under the interpreter go
-    through ``JITFunction.run``; launch hooks (profilers such as proton) see only those.
+    the rest, and hands the launcher raw addresses (so it skips its per-pointer driver
+    query). A key's first call, misaligned pointers and every call under the interpreter go
+    through ``JITFunction.run`` (counted in ``slow_launches``); launch hooks (profilers such
+    as proton) see only those.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple, object] = {}
+        self.slow_launches = 0
         self.compiles = isinstance(kernel, triton.runtime.JITFunction)
         params = kernel.params if self.compiles else []
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
@@ -111,7 +114,8 @@ class CachedLauncher:
         if not self.compiles:
             self._launch_through_triton(grid, tensors, scalars, constexprs, num_warps, num_stages)
             return
-        misaligned = functools.reduce(operator.or_, [t.data_ptr() for t in tensors]) % 16
+        addresses = [t.data_ptr() for t in tensors]
+        misaligned = functools.reduce(operator.or_, addresses) % 16
         device = tensors[0].get_device()
         constants = tuple(constexprs.values())
         key = (device, tuple([t.dtype for t in tensors]), constants, num_warps, num_stages)
@@ -128,13 +132,14 @@ class CachedLauncher:
             grid_x, grid_y, grid_z,
             triton.runtime.driver.active.get_current_stream(device),
             compiled.function, compiled.packed_metadata, None, None, None,
-            *tensors, *scalars, *constants,
+            *addresses, *scalars, *constants,
         )
 
     def _launch_through_triton(
         self, grid, tensors, scalars, constexprs, num_warps, num_stages
     ) -> object:
         """The ordinary launch (compiling if needed); returns Triton's compiled kernel."""
+        self.slow_launches += 1
         if self.compiles and list(constexprs) != self.constexpr_names:
             raise TypeError(
                 f"{self.kernel}: pass constexprs in signature order {self.constexpr_names}"
