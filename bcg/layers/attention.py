@@ -1,7 +1,8 @@
 """The attention op: the one place a forward pass reads per-step state, hence the graph break.
 
 `attention(q, k, v, output, layer_id)` stores the new K/V of the live tokens into the paged
-cache and writes their attention into `output`. Everything that changes per step comes from
+cache and writes their attention into `output` (Triton kernels on CUDA, the PyTorch
+reference elsewhere). Everything that changes per step comes from
 the forward context, so a breakable graph can replay it with its capture-time arguments.
 Rows past the batch's real token count (graph padding) are neither read nor cached.
 """
@@ -14,6 +15,7 @@ from torch import nn
 from bcg.graph import eager_on_graph, is_in_breakable_cuda_graph
 from bcg.layers.attention_ref import paged_attention_ref, store_kv
 from bcg.runner.context import get_forward_context
+from bcg.runner.forward_batch import ForwardBatch
 
 
 def attention(
@@ -21,20 +23,43 @@ def attention(
 ) -> None:
     """q, output `[T, H, D]`, k, v `[T, KVH, D]`, T >= the live token count."""
     context = get_forward_context()
-    batch = context.batch
-    n = batch.num_tokens
+    n = context.batch.num_tokens
     k_cache, v_cache = context.kv_cache.layer(layer_id)
-    store_kv(k[:n], v[:n], k_cache, v_cache, batch.slot_mapping[:n])
-    paged_attention_ref(
-        q[:n],
-        k_cache,
-        v_cache,
-        batch.cu_seqlens_q,
-        batch.seq_lens,
-        batch.block_tables,
-        context.attention_scales[layer_id],
-        out=output[:n],
-    )
+    paged_attention(q[:n], k[:n], v[:n], k_cache, v_cache, context.batch.slot_mapping[:n],
+                    context.batch, context.attention_scales[layer_id], output[:n],
+                    use_kernels=q.is_cuda)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    out: torch.Tensor,
+    use_kernels: bool,
+) -> None:
+    """Store the new K/V at their slots, then attend over the batch's sequences with the
+    Triton kernels (CUDA) or the reference. All token-axis tensors hold live tokens only."""
+    if not use_kernels:
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        paged_attention_ref(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
+                            batch.block_tables, scale, out=out)
+        return
+    # Imported on first use: the kernels need Triton, the reference path does not.
+    from bcg.kernels.decode_attention import decode_attention
+    from bcg.kernels.extend_attention import extend_attention
+    from bcg.kernels.kv_store import store_kv as store_kv_kernel
+
+    store_kv_kernel(k, v, k_cache, v_cache, slot_mapping)
+    if batch.is_decode:
+        decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, out=out)
+    else:
+        extend_attention(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
+                         batch.block_tables, scale, out=out)
 
 
 attention_break = eager_on_graph(attention)
