@@ -1,18 +1,27 @@
 """CPU tests of the declarative input-buffer registry (`bcg.graph.buffers`).
 
 Every test poisons the static buffers first (POISON) so that what a fill leaves in each
-tail proves what the padding policy did.
+tail proves what the padding policy did. Tests on the meta device (no data) check which
+ops a fill issues, as a GPU would launch them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
-from bcg.graph.buffers import FillContext, GraphBufferRegistry, GraphSlot, PaddingPolicy
+from bcg.graph.buffers import (
+    MAX_CACHED_PLANS,
+    FillContext,
+    GraphBufferRegistry,
+    GraphSlot,
+    PaddingPolicy,
+)
 
 POISON = 99
 MAX_BS = 6
@@ -67,6 +76,34 @@ def fill(registry: GraphBufferRegistry, batch: Batch, raw: int, padded: int) -> 
 
 def buffer_of(registry: GraphBufferRegistry, name: str = "input_ids") -> list:
     return registry.get_slot(name).buffer.tolist()
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the aten ops run inside it, views included, as (name, args)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket.__name__, args))
+        return func(*args, **(kwargs or {}))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def foreach_copies(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        return [(args[0], args[1]) for name, args in self.calls if name == "_foreach_copy_"]
+
+
+def ops_of_fill(registry: GraphBufferRegistry, batch: Batch, raw: int, padded: int) -> AtenOps:
+    with AtenOps() as ops:
+        fill(registry, batch, raw=raw, padded=padded)
+    return ops
+
+
+def meta_ids(n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, device="meta")
 
 
 @pytest.fixture(autouse=True)
@@ -240,10 +277,205 @@ def test_refill_with_another_length_uses_fresh_destination():
     assert buffer_of(registry) == [40, 21, 22, 23, 24, POISON, POISON, POISON]
 
 
+def test_head_longer_than_raw_wins_over_its_reset_tail():
+    # cu_seqlens has raw_bs + 1 entries: its last one lands in the bs tail [raw:padded].
+    slot = GraphSlot(
+        "cu_seqlens",
+        lambda bs, tokens: (bs + 1,),
+        torch.int32,
+        axis="bs",
+        padding_policy=PaddingPolicy.FILL_SENTINEL,
+        pad_value=-1,
+    )
+    registry = make_registry(slot)
+    cu_seqlens = torch.tensor([0, 3, 5], dtype=torch.int32)
+    fill(registry, Batch(cu_seqlens=cu_seqlens), raw=2, padded=5)
+    assert buffer_of(registry, "cu_seqlens") == [0, 3, 5, -1, -1, POISON, POISON]
+
+
+def test_head_running_past_the_whole_tail_leaves_no_pad():
+    slot = GraphSlot(
+        "cu_seqlens",
+        lambda bs, tokens: (bs + 1,),
+        torch.int32,
+        axis="bs",
+        padding_policy=PaddingPolicy.ZERO,
+    )
+    registry = make_registry(slot)
+    cu_seqlens = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    fill(registry, Batch(cu_seqlens=cu_seqlens), raw=3, padded=4)
+    assert buffer_of(registry, "cu_seqlens") == [0, 3, 5, 8] + [POISON] * 3
+
+
+def test_buffers_bound_over_shared_memory_reset_every_tail_before_the_copies():
+    shared = torch.full((MAX_TOKENS + 2,), POISON, dtype=torch.int64)
+    registry = GraphBufferRegistry("cpu", MAX_BS, MAX_TOKENS)
+    registry.register_slot(token_slot(padding_policy=PaddingPolicy.ZERO), bind=shared[:-2])
+    registry.register_slot(token_slot("positions"), bind=shared[2:])
+    # The input_ids tail [2:6] is shared[2:6]; the positions head writes shared[2:5] after.
+    fill(registry, Batch(input_ids=arange(2), positions=arange(3, start=50)), raw=2, padded=6)
+    assert shared.tolist() == [1, 2, 50, 51, 52, 0] + [POISON] * 4
+
+
+def test_rejected_fill_writes_nothing():
+    registry = make_registry(
+        token_slot("positions", padding_policy=PaddingPolicy.ZERO), token_slot("input_ids")
+    )
+    batch = Batch(positions=arange(2), input_ids=arange(MAX_TOKENS + 1))
+    with pytest.raises(ValueError, match="does not fit"):
+        fill(registry, batch, raw=2, padded=4)
+    assert buffer_of(registry, "positions") == [POISON] * MAX_TOKENS
+
+
 def test_copy_from_batch_false_ignores_the_field():
     registry = make_registry(token_slot(copy_from_batch=False))
     fill(registry, Batch(input_ids=arange(3)), raw=3, padded=3)
     assert buffer_of(registry) == [POISON] * MAX_TOKENS
+
+
+# --- grouped copies on a device (meta: no data, only the ops a fill issues) ---------------
+
+
+def test_padded_fill_is_one_grouped_copy_per_dtype_group_tails_included():
+    registry = GraphBufferRegistry("meta", MAX_BS, MAX_TOKENS)
+    registry.register_slot(token_slot("input_ids"))
+    registry.register_slot(token_slot("positions", padding_policy=PaddingPolicy.ZERO))
+    registry.register_slot(
+        GraphSlot(
+            "seq_lens",
+            tokens_shape,
+            torch.int32,
+            padding_policy=PaddingPolicy.FILL_SENTINEL,
+            pad_value=1,
+        )
+    )
+    registry.register_slot(
+        GraphSlot("mrope", tokens_shape, torch.float32, padding_policy=PaddingPolicy.KEEP_PAD)
+    )
+    batch = Batch(
+        input_ids=meta_ids(3),
+        positions=meta_ids(3),
+        seq_lens=meta_ids(3, torch.int32),
+        mrope=meta_ids(3, torch.float32),
+    )
+    ops = ops_of_fill(registry, batch, raw=3, padded=5)
+    assert "fill_" not in ops.names() and "copy_" not in ops.names()
+    copies = ops.foreach_copies()
+    assert sorted(len(dsts) for dsts, _ in copies) == [1, 2, 3]  # f32; i32 + tail; i64 x2 + tail
+    for dsts, srcs in copies:
+        assert [d.shape for d in dsts] == [s.shape for s in srcs]
+        assert len({d.dtype for d in dsts}) == 1 and len({s.dtype for s in srcs}) == 1
+    int64_dsts = next(dsts for dsts, _ in copies if len(dsts) == 3)
+    tail = int64_dsts[-1]
+    assert (tail.shape, tail.storage_offset()) == ((2,), 3)
+
+
+def test_tail_a_head_overlaps_is_reset_on_its_own_before_the_copies():
+    registry = GraphBufferRegistry("meta", MAX_BS, MAX_TOKENS)
+    registry.register_slot(
+        GraphSlot(
+            "cu_seqlens",
+            lambda bs, tokens: (bs + 1,),
+            torch.int32,
+            axis="bs",
+            padding_policy=PaddingPolicy.ZERO,
+        )
+    )
+    ops = ops_of_fill(registry, Batch(cu_seqlens=meta_ids(3, torch.int32)), raw=2, padded=4)
+    assert [name for name in ops.names() if name in ("fill_", "_foreach_copy_")] == [
+        "fill_",
+        "_foreach_copy_",
+    ]
+
+
+def test_repeated_fill_reuses_its_plan_and_slices_nothing():
+    registry = GraphBufferRegistry("meta", MAX_BS, MAX_TOKENS)
+    registry.register_slot(token_slot("input_ids", padding_policy=PaddingPolicy.ZERO))
+    registry.register_slot(token_slot("positions"))
+    batch = Batch(input_ids=meta_ids(3), positions=meta_ids(3))
+    first = ops_of_fill(registry, batch, raw=3, padded=5)
+    again = ops_of_fill(registry, Batch(input_ids=meta_ids(3), positions=meta_ids(3)), 3, 5)
+    assert {"as_strided", "slice"} <= set(first.names())
+    assert again.names() == ["_foreach_copy_"]
+
+
+def test_source_dtype_change_regroups_the_copies():
+    registry = GraphBufferRegistry("meta", MAX_BS, MAX_TOKENS)
+    registry.register_slot(token_slot("input_ids"))
+    registry.register_slot(token_slot("positions"))
+    same = Batch(input_ids=meta_ids(3), positions=meta_ids(3))
+    mixed = Batch(input_ids=meta_ids(3), positions=meta_ids(3, torch.int32))
+    assert len(ops_of_fill(registry, same, 3, 3).foreach_copies()) == 1
+    copies = ops_of_fill(registry, mixed, 3, 3).foreach_copies()
+    assert {srcs[0].dtype for _, srcs in copies} == {torch.int32, torch.int64}
+
+
+def test_strided_destinations_get_their_own_grouped_copy():
+    # A strided pair sends a whole _foreach_copy_ down its one-launch-per-pair path.
+    registry = GraphBufferRegistry("meta", MAX_BS, MAX_TOKENS)
+    registry.register_slot(token_slot("input_ids"))
+    registry.register_slot(GraphSlot("mrope", lambda bs, tokens: (3, tokens), torch.int64))
+    batch = Batch(input_ids=meta_ids(2), mrope=torch.zeros(3, 2, dtype=torch.int64, device="meta"))
+    copies = ops_of_fill(registry, batch, 2, 2).foreach_copies()
+    assert sorted((len(dsts), dsts[0].is_contiguous()) for dsts, _ in copies) == [
+        (1, False),
+        (1, True),
+    ]
+
+
+# --- fill plans ---------------------------------------------------------------------------
+
+
+def test_plans_stay_bounded_and_correct_across_many_sizes():
+    seen = []
+    registry = make_registry(
+        GraphSlot(
+            "input_ids",
+            lambda bs, tokens: (tokens,),
+            torch.int64,
+            padding_policy=PaddingPolicy.FILL_SENTINEL,
+            pad_value=-1,
+            post_fill=lambda view, batch, ctx: seen.append(ctx),
+        )
+    )
+    sizes = [
+        FillContext(bs, bs, raw, padded)
+        for bs in range(1, MAX_BS + 1)
+        for padded in range(1, MAX_TOKENS + 1)
+        for raw in range(padded + 1)
+    ]
+    assert len(sizes) > MAX_CACHED_PLANS
+    for ctx in sizes + sizes[:3]:
+        poison(registry)
+        registry.fill_from(Batch(input_ids=arange(ctx.raw_num_tokens)), **dataclasses.asdict(ctx))
+        pads = ctx.padded_num_tokens - ctx.raw_num_tokens
+        untouched = MAX_TOKENS - ctx.padded_num_tokens
+        assert buffer_of(registry) == [
+            *range(1, ctx.raw_num_tokens + 1),
+            *[-1] * pads,
+            *[POISON] * untouched,
+        ]
+        assert seen[-1] == ctx
+    assert len(registry._plans) <= MAX_CACHED_PLANS
+
+
+def test_slot_registered_after_a_fill_takes_part_in_the_next_one():
+    def ids_plus_one(view, batch, ctx):
+        view[: ctx.raw_num_tokens] = batch.input_ids + 1
+
+    registry = make_registry(token_slot("input_ids"))
+    batch = Batch(input_ids=arange(2))
+    fill(registry, batch, raw=2, padded=3)
+    computed = token_slot(
+        "positions",
+        copy_from_batch=False,
+        padding_policy=PaddingPolicy.ZERO,
+        post_fill=ids_plus_one,
+    )
+    registry.register_slot(computed)
+    poison(registry)
+    fill(registry, batch, raw=2, padded=3)  # same sizes and sources as the first fill
+    assert buffer_of(registry, "positions") == [2, 3, 0] + [POISON] * 5
 
 
 # --- post_fill hooks ----------------------------------------------------------------------

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,6 +35,14 @@ class PaddingPolicy(Enum):
 _RESET_POLICIES = (PaddingPolicy.ZERO, PaddingPolicy.FILL_SENTINEL)
 _PAD_VALUE_POLICIES = (PaddingPolicy.FILL_SENTINEL, PaddingPolicy.FILL_ONCE)
 _AXES = ("bs", "tokens", "none")
+# Fill plans kept per registry; a plan holds a few views per slot, so this bounds memory.
+MAX_CACHED_PLANS = 64
+# Pad-source views kept per reset slot, one per tail layout (shape and strides).
+MAX_CACHED_PAD_VIEWS = 1024
+# A source's shape and dtype: what a cached fill plan depends on.
+_source_signature = operator.attrgetter("shape", "dtype")
+# A destination buffer's (device, dtype, is_cpu).
+_CopyKind = tuple[torch.device, torch.dtype, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +101,7 @@ class GraphSlot:
 
     def span(self, start: int, stop: int) -> torch.Tensor:
         """The view of positions `[start, stop)` along the slot's axis."""
-        buffer = self._allocated_buffer()
-        if self.slice_fn is not None:
-            return self.slice_fn(buffer, start, stop)
-        return buffer[start:stop]
+        return self._span_of(self._allocated_buffer(), start, stop)
 
     def slice_for(self, padded_bs: int, padded_num_tokens: int) -> torch.Tensor:
         """The view a graph captured for this padded size reads."""
@@ -110,6 +116,12 @@ class GraphSlot:
         if self.source_fn is not None:
             return self.source_fn(batch)
         return getattr(batch, self.name, None)
+
+    def _span_of(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        # Also slices the slot's pad source, which has the buffer's shape and strides.
+        if self.slice_fn is not None:
+            return self.slice_fn(tensor, start, stop)
+        return tensor[start:stop]
 
     def _allocated_buffer(self) -> torch.Tensor:
         if self.buffer is None:
@@ -151,6 +163,8 @@ class GraphBufferRegistry:
     `fill_from` copies a live batch in before replay; `extract_buffer` gives the batch
     a graph is captured with. With `share_pool=True` buffers come from the process-wide
     pool (`share_buffer`), so runners that never replay at once share identical buffers.
+    Each ZERO / FILL_SENTINEL slot also keeps a private pad source, a constant tensor laid
+    out like its buffer, so its tail is reset by the same grouped copy as the heads.
     """
 
     def __init__(
@@ -170,11 +184,18 @@ class GraphBufferRegistry:
         self.max_num_tokens = max_num_tokens
         self.share_pool = share_pool
         self._slots: dict[str, GraphSlot] = {}
-        # Hot-path plans, built at registration so fill_from only walks flat lists.
-        self._heads: list[_HeadCopy] = []
-        self._bs_tails: list[_TailReset] = []
-        self._token_tails: list[_TailReset] = []
+        # What fill_from walks, set at registration: how to fetch each copied slot's
+        # source and land it in the buffer, the tails to reset per axis, the hooked slots.
+        self._sources: list[tuple[str, SourceFn | None]] = []
+        self._heads: list[_Head] = []
+        self._bs_resets: list[_Reset] = []
+        self._token_resets: list[_Reset] = []
         self._hooked: list[GraphSlot] = []
+        # Buffers bound over shared memory let one slot's tail meet another slot's head,
+        # and one grouped copy has no order: then every tail is reset first, on its own.
+        self._aliased = False
+        # Fill plans by sizes and source shapes and dtypes, least recently used first.
+        self._plans: OrderedDict[tuple, _FillPlan] = OrderedDict()
 
     def register_slot(self, slot: GraphSlot, bind: torch.Tensor | None = None) -> GraphSlot | None:
         """Allocate (or adopt `bind`, after checking its shape, dtype and device) the
@@ -191,8 +212,12 @@ class GraphBufferRegistry:
         slot.buffer = self._buffer_for(slot, bind)
         if slot.padding_policy is PaddingPolicy.FILL_ONCE:
             slot.buffer.fill_(slot.pad_value)
+        self._aliased = self._aliased or any(
+            _share_memory(slot.buffer, other.buffer) for other in self._slots.values()
+        )
         self._slots[slot.name] = slot
-        self._plan(slot)
+        self._enlist(slot)
+        self._plans.clear()  # a plan covers the slots registered when it was built
         return slot
 
     def has_slot(self, name: str) -> bool:
@@ -221,21 +246,23 @@ class GraphBufferRegistry:
         raw_num_tokens: int,
         padded_num_tokens: int,
     ) -> None:
-        """Copy `batch` into the static buffers for a graph of the padded sizes: reset
-        the tails the policies ask for, copy every head (few grouped copy launches), then
-        run the `post_fill` hooks in registration order."""
-        self._check_sizes(raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
-        if raw_bs < padded_bs:
-            for tail in self._bs_tails:
-                tail.reset(raw_bs, padded_bs)
-        if raw_num_tokens < padded_num_tokens:
-            for tail in self._token_tails:
-                tail.reset(raw_num_tokens, padded_num_tokens)
-        self._copy_heads(batch)
-        if self._hooked:
-            ctx = FillContext(raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
-            for slot in self._hooked:
-                slot.post_fill(slot.slice_for(padded_bs, padded_num_tokens), batch, ctx)
+        """Copy `batch` into the static buffers for a graph of the padded sizes, in three
+        phases: reset the tails the policies ask for, copy every head, then run the
+        `post_fill` hooks in registration order. A tail that no head overlaps is reset by
+        copying its pad source in the same grouped copy as the heads, so a fill issues one
+        copy per dtype pair on a GPU; what it slices is cached per sizes and shapes."""
+        sources = [
+            getattr(batch, name, None) if source_fn is None else source_fn(batch)
+            for name, source_fn in self._sources
+        ]
+        plan = self._plan_for((raw_bs, padded_bs, raw_num_tokens, padded_num_tokens), sources)
+        for tail, value in plan.lone_resets:
+            tail.fill_(value)
+        for group in plan.copies:
+            srcs = [sources[index] for index in group.source_indices] + group.pads
+            _copy_group(group.dsts, srcs, group.on_cpu)
+        for slot, view in plan.hooks:
+            slot.post_fill(view, batch, plan.ctx)
 
     def extract_buffer(self, *, padded_bs: int, padded_num_tokens: int, template: Any) -> Any:
         """A copy of the dataclass `template` whose slot fields are the static views for
@@ -270,12 +297,13 @@ class GraphBufferRegistry:
             return share_buffer(slot.name, shape, slot.dtype, device)
         return torch.zeros(shape, dtype=slot.dtype, device=device)
 
-    def _plan(self, slot: GraphSlot) -> None:
+    def _enlist(self, slot: GraphSlot) -> None:
         if slot.copy_from_batch:
-            self._heads.append(_HeadCopy(slot))
+            self._sources.append((slot.name, slot.source_fn))
+            self._heads.append(_Head(slot))
         if slot.padding_policy in _RESET_POLICIES:
-            tails = self._bs_tails if slot.axis == "bs" else self._token_tails
-            tails.append(_TailReset(slot))
+            resets = self._bs_resets if slot.axis == "bs" else self._token_resets
+            resets.append(_Reset(slot))
         if slot.post_fill is not None:
             self._hooked.append(slot)
 
@@ -292,48 +320,72 @@ class GraphBufferRegistry:
                 f"{self.max_num_tokens}; run batches beyond the registry's limits eagerly"
             )
 
-    def _copy_heads(self, batch: Any) -> None:
-        # torch._foreach_copy_ takes one dtype pair per call, so group by (dst, src) dtype.
-        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for head in self._heads:
-            src = head.slot.source(batch)
-            if src is None:
-                continue
-            dst = head.destination(src)
-            key = (head.group, src.dtype)
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = ([], [])
-            group[0].append(dst)
-            group[1].append(src)
-        for dsts, srcs in groups.values():
-            _copy_group(dsts, srcs)
+    def _plan_for(self, sizes: tuple[int, int, int, int], sources: list) -> _FillPlan:
+        """The plan for these sizes and these sources' shapes and dtypes: cached, since a
+        runner mostly repeats a few shapes and slicing costs host time on every fill."""
+        try:
+            key = (*sizes, *[None if src is None else _source_signature(src) for src in sources])
+        except AttributeError:  # a source that is not a tensor: building the plan says so
+            return self._build_plan(sizes, sources)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        plan = self._plans[key] = self._build_plan(sizes, sources)
+        if len(self._plans) > MAX_CACHED_PLANS:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _build_plan(self, sizes: tuple[int, int, int, int], sources: list) -> _FillPlan:
+        """Check the sizes and sources, then slice every view one fill writes or reads."""
+        self._check_sizes(*sizes)
+        raw_bs, padded_bs, raw_num_tokens, padded_num_tokens = sizes
+        groups: dict[tuple, _CopyGroup] = {}
+        landed: dict[str, tuple[torch.Size, torch.Tensor]] = {}  # name: (source shape, view)
+        for index, (head, src) in enumerate(zip(self._heads, sources, strict=True)):
+            if src is not None:
+                view = head.view_for(src)
+                landed[head.slot.name] = (src.shape, view)
+                group = _group_for(groups, head.kind, src.dtype, view)
+                group.dsts.append(view)
+                group.source_indices.append(index)
+        # Every head is grouped before any tail: a group lists its head copies first.
+        lone_resets = []
+        for resets, raw, padded in (
+            (self._bs_resets, raw_bs, padded_bs),
+            (self._token_resets, raw_num_tokens, padded_num_tokens),
+        ):
+            for reset in resets if raw < padded else ():
+                slot = reset.slot
+                tail = slot.span(raw, padded)
+                # A head may run past `raw` (e.g. cu_seqlens, raw_bs + 1 entries); where it
+                # meets the tail it must win, so that tail is reset before the copies.
+                if self._aliased or _head_meets_tail(slot, landed.get(slot.name), tail, raw):
+                    lone_resets.append((tail, reset.value))
+                else:
+                    group = _group_for(groups, reset.kind, slot.dtype, tail)
+                    group.dsts.append(tail)
+                    group.pads.append(reset.pad_view(tail, raw, padded))
+        hooks = [(slot, slot.slice_for(padded_bs, padded_num_tokens)) for slot in self._hooked]
+        return _FillPlan(lone_resets, list(groups.values()), hooks, FillContext(*sizes))
 
 
-class _HeadCopy:
-    """Copies one slot's source into the leading block of its buffer. Consecutive fills
-    mostly bring the same source shape, so the destination view is kept, and what a new
-    view needs is precomputed: slicing costs host time on every fill."""
+class _Head:
+    """Lands one slot's source in the leading block of its buffer. A plan is built for
+    every new size, so what a destination view needs is precomputed here."""
 
-    __slots__ = ("slot", "group", "_capacity", "_stride", "_offset", "_shape", "_view")
+    __slots__ = ("slot", "kind", "_capacity", "_stride", "_offset")
 
     def __init__(self, slot: GraphSlot) -> None:
         buffer = slot.buffer
         self.slot = slot
-        self.group = (buffer.device, buffer.dtype)
+        self.kind = _copy_kind(slot)
         self._capacity = tuple(buffer.shape)
         self._stride = buffer.stride()
         self._offset = buffer.storage_offset()
-        self._shape: torch.Size | None = None
-        self._view: torch.Tensor | None = None
 
-    def destination(self, src: Any) -> torch.Tensor:
-        if not isinstance(src, torch.Tensor) or src.shape != self._shape:
-            self._view = self._leading_block(src)
-            self._shape = src.shape
-        return self._view
-
-    def _leading_block(self, src: Any) -> torch.Tensor:
+    def view_for(self, src: Any) -> torch.Tensor:
+        """The block of the buffer `src` is copied into: `src`'s shape, at the start."""
         name = self.slot.name
         if not isinstance(src, torch.Tensor):
             raise TypeError(
@@ -350,30 +402,130 @@ class _HeadCopy:
         return self.slot.buffer.as_strided(shape, self._stride, self._offset)
 
 
-class _TailReset:
-    """Resets one slot's padded tail to its pad value, keeping the last tail view."""
+class _Reset:
+    """Resets one ZERO / FILL_SENTINEL slot's tail: a copy from its pad source, a constant
+    tensor laid out like the buffer, grouped with the head copies."""
 
-    __slots__ = ("slot", "value", "_bounds", "_view")
+    __slots__ = ("slot", "value", "kind", "_pad", "_pad_views")
 
     def __init__(self, slot: GraphSlot) -> None:
         self.slot = slot
         self.value = 0 if slot.padding_policy is PaddingPolicy.ZERO else slot.pad_value
-        self._bounds: tuple[int, int] | None = None
-        self._view: torch.Tensor | None = None
+        self.kind = _copy_kind(slot)
+        self._pad = _pad_source(slot.buffer, self.value)
+        self._pad_views: dict[tuple, torch.Tensor] = {}
 
-    def reset(self, raw: int, padded: int) -> None:
-        if (raw, padded) != self._bounds:
-            self._view = self.slot.span(raw, padded)
-            self._bounds = (raw, padded)
-        self._view.fill_(self.value)
+    def pad_view(self, tail: torch.Tensor, raw: int, padded: int) -> torch.Tensor:
+        """The pad source's twin of `tail`, the view `[raw:padded]`. All such views hold
+        the pad value only, so one per layout serves every position: a new plan mostly
+        finds it here instead of slicing again."""
+        layout = (tail.shape, tail.stride())
+        view = self._pad_views.get(layout)
+        if view is None:
+            if len(self._pad_views) >= MAX_CACHED_PAD_VIEWS:
+                self._pad_views.clear()
+            view = self._pad_views[layout] = self.slot._span_of(self._pad, raw, padded)
+        return view
 
 
-def _copy_group(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    if dsts[0].is_cpu:
+class _CopyGroup(NamedTuple):
+    """Copies issued by one call: `dsts` are the head views (sourced from the fill's
+    sources at `source_indices`, in order) followed by the tail views (sourced from
+    `pads`, their twin views of the pad sources)."""
+
+    dsts: list[torch.Tensor]
+    source_indices: list[int]
+    pads: list[torch.Tensor]
+    on_cpu: bool
+
+
+class _FillPlan(NamedTuple):
+    """Everything one fill does for given sizes and source shapes, with its views sliced."""
+
+    lone_resets: list[tuple[torch.Tensor, int | float | bool]]  # tails a head may overlap
+    copies: list[_CopyGroup]
+    hooks: list[tuple[GraphSlot, torch.Tensor]]
+    ctx: FillContext
+
+
+def _copy_kind(slot: GraphSlot) -> _CopyKind:
+    """What every copy into the slot's buffer shares: its device and dtype (and whether
+    that device is the CPU, asked here once rather than on every plan)."""
+    buffer = slot.buffer
+    return (buffer.device, buffer.dtype, buffer.is_cpu)
+
+
+def _group_for(
+    groups: dict[tuple, _CopyGroup],
+    kind: _CopyKind,
+    src_dtype: torch.dtype,
+    dst: torch.Tensor,
+) -> _CopyGroup:
+    # torch._foreach_copy_ takes one (dst, src) dtype pair per call, and copies a whole call
+    # in one launch only if every pair is dense with equal strides; a single strided view
+    # (e.g. a partly filled 2-D buffer) makes it copy pair by pair, so those go apart.
+    key = (kind, src_dtype, dst.is_contiguous())
+    group = groups.get(key)
+    if group is None:
+        group = groups[key] = _CopyGroup([], [], [], kind[2])
+    return group
+
+
+def _copy_group(dsts: list[torch.Tensor], srcs: list[torch.Tensor], on_cpu: bool) -> None:
+    if on_cpu:
+        # In list order: head copies first, so a tail wrongly grouped with the head it
+        # overlaps would clobber it here and fail the CPU tests.
         for dst, src in zip(dsts, srcs, strict=True):
             dst.copy_(src)
     else:
         torch._foreach_copy_(dsts, srcs)
+
+
+def _head_meets_tail(
+    slot: GraphSlot, landed: tuple[torch.Size, torch.Tensor] | None, tail: torch.Tensor, raw: int
+) -> bool:
+    """Whether the slot's head (source shape, view), if any, shares an element with its
+    tail `[raw:padded]`. Without slice_fn both are blocks of the buffer along dim 0 (the
+    head from 0, the tail from `raw`, over all other positions), so they meet exactly when
+    the head is not empty and runs past `raw`; a slice_fn slot compares storage ranges."""
+    if landed is None:
+        return False
+    shape, head = landed
+    if slot.slice_fn is None:
+        return shape[0] > raw and all(shape)
+    return _ranges_meet(_element_range(head), _element_range(tail))
+
+
+def _pad_source(buffer: torch.Tensor, value: int | float | bool) -> torch.Tensor:
+    """A constant tensor with `buffer`'s shape and strides holding `value`: any tail view
+    of the buffer has a twin view here, as long and laid out alike, to copy from."""
+    pad = torch.empty_strided(
+        buffer.shape, buffer.stride(), dtype=buffer.dtype, device=buffer.device
+    )
+    return pad.fill_(value)
+
+
+def _element_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The storage elements `[first, last + 1)` a tensor spans; empty if it has none."""
+    if tensor.numel() == 0:
+        return (0, 0)
+    first = tensor.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return first, last + 1
+
+
+def _ranges_meet(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two buffers may share bytes (meta tensors have no memory to share)."""
+    if a.device != b.device or a.device.type == "meta":
+        return False
+    (a_first, a_stop), (b_first, b_stop) = _element_range(a), _element_range(b)
+    a_bytes = (a.data_ptr(), a.data_ptr() + (a_stop - a_first) * a.element_size())
+    b_bytes = (b.data_ptr(), b.data_ptr() + (b_stop - b_first) * b.element_size())
+    return _ranges_meet(a_bytes, b_bytes)
 
 
 def _check_bind(
