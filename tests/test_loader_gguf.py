@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from bcg.loader.gguf_file import hf_tensor_name, open_gguf, read_gguf_config, unpermute_rope_rows
+from bcg.loader.gguf_file import hf_tensor_name, read_gguf_config, unpermute_rope_rows
+from bcg.loader.gguf_reader import GGUFFile
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 from tests.builtin_model import require_builtin_model
@@ -33,7 +34,35 @@ def test_tensor_names_map_to_hugging_face():
 
 
 def test_builtin_gguf_config_matches_the_smollm2_preset():
-    config = ModelConfig.from_hf_dict(read_gguf_config(open_gguf(require_builtin_model())))
+    config = ModelConfig.from_hf_dict(read_gguf_config(GGUFFile(require_builtin_model())))
     preset = ModelConfig.from_hf_dict(PRESETS["smollm2-135m"])
     assert config.rms_norm_eps == pytest.approx(preset.rms_norm_eps)  # GGUF stores float32
     assert dataclasses.replace(config, rms_norm_eps=preset.rms_norm_eps) == preset
+
+
+def test_our_reader_agrees_with_the_gguf_package():
+    """Metadata equal; tensors equal after dequantisation (one per kind in the file)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = require_builtin_model()
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):  # the reader's own header pseudo-fields
+            assert ours.metadata[key] == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    seen = set()
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        if ref.tensor_type not in seen:
+            seen.add(ref.tensor_type)
+            expected = dequantize(ref.data, ref.tensor_type)
+            assert torch.equal(torch.from_numpy(ours.dequantized(mine)),
+                               torch.from_numpy(expected.copy())), mine.name
+    assert len(seen) == 3  # F32, Q4_1, Q8_0
+
+
+def test_not_a_gguf_file_is_refused(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(path)

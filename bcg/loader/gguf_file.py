@@ -1,14 +1,14 @@
-"""GGUF files (llama.cpp): config from the metadata, tensors dequantised to fp32."""
+"""GGUF files (llama.cpp): a Hugging Face config from the metadata, tensors under their
+Hugging Face names, dequantised to fp32."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
+
+from bcg.loader.gguf_reader import GGUFFile
 
 # GGUF `general.architecture` -> Hugging Face architecture name.
 GGUF_ARCHITECTURES = {
@@ -38,42 +38,43 @@ _LAYER_NAMES = {
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def read_gguf_config(reader: GGUFReader) -> dict:
+def read_gguf_config(gguf: GGUFFile) -> dict:
     """The Hugging Face `config.json` equivalent of the file's metadata."""
-    arch = _field(reader, "general.architecture")
+    meta = gguf.metadata
+    arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in gguf.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF files with baked rope frequencies (Llama 3.1 rope scaling) are "
                          "not supported: use the Hugging Face safetensors folder instead")
-    heads = _field(reader, f"{arch}.attention.head_count")
+    heads = _required(meta, f"{arch}.attention.head_count")
     return {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
-        "hidden_size": _field(reader, f"{arch}.embedding_length"),
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "vocab_size": len(_required(meta, "tokenizer.ggml.tokens")),
+        "hidden_size": _required(meta, f"{arch}.embedding_length"),
+        "intermediate_size": _required(meta, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _required(meta, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", None),
-        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length"),
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length"),
+        "rms_norm_eps": _required(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": _required(meta, f"{arch}.context_length"),
         "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(gguf: GGUFFile, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor, dequantised to fp32, under its Hugging Face name."""
     permute_qk = config["architectures"][0] == "LlamaForCausalLM"
-    for tensor in reader.tensors:
+    for tensor in gguf.tensors:
         name = hf_tensor_name(tensor.name)
-        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        weight = torch.from_numpy(gguf.dequantized(tensor))
         if permute_qk and ".q_proj." in name:
             weight = unpermute_rope_rows(weight, config["num_attention_heads"])
         elif permute_qk and ".k_proj." in name:
@@ -98,17 +99,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, -1, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    return GGUFReader(str(path))
-
-
-_MISSING = object()
-
-
-def _field(reader: GGUFReader, key: str, default=_MISSING):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata lacks {key!r}")
-        return default
-    return field.contents()
+def _required(metadata: dict, key: str):
+    if key not in metadata:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    return metadata[key]

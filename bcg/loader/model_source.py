@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from bcg.loader.builtin import BUILTIN_NAME, builtin_gguf_path
-from bcg.loader.gguf_file import iter_gguf_tensors, open_gguf, read_gguf_config
+from bcg.loader.gguf_file import iter_gguf_tensors, read_gguf_config
+from bcg.loader.gguf_reader import GGUFFile
 from bcg.loader.hf_folder import iter_safetensors, read_generation_eos, read_hf_config
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
@@ -78,9 +79,9 @@ def _folder_source(folder: Path, name: str) -> ModelSource:
 
 
 def _gguf_source(path: Path, name: str) -> ModelSource:
-    reader = open_gguf(path)  # parsing the metadata takes seconds: do it once
-    hf_config = read_gguf_config(reader)
-    weights = lambda: iter_gguf_tensors(reader, hf_config)
+    gguf = GGUFFile(path)
+    hf_config = read_gguf_config(gguf)
+    weights = lambda: iter_gguf_tensors(gguf, hf_config)
     return ModelSource(name, ModelConfig.from_hf_dict(hf_config), weights, path, True)
 
 
