@@ -1,0 +1,55 @@
+"""The runners' concrete registries: padded tails can never touch the KV cache."""
+
+import torch
+
+from bcg.runner.forward_batch import ForwardBatch
+from bcg.runner.graph_registry import build_decode_registry, build_prefill_registry
+
+
+def decode_batch(seq_lens: list[int], blocks: int) -> ForwardBatch:
+    n = len(seq_lens)
+    return ForwardBatch(
+        input_ids=torch.arange(10, 10 + n),
+        positions=torch.tensor([s - 1 for s in seq_lens]),
+        slot_mapping=torch.arange(100, 100 + n),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.full((n, blocks), 7, dtype=torch.int32),
+        sample_indices=torch.arange(n),
+        num_tokens=n,
+        num_seqs=n,
+        max_seqlen_q=1,
+        max_seq_len=max(seq_lens),
+    )
+
+
+def poison(registry) -> None:
+    for name in registry.slot_names():
+        if name != "cu_seqlens_q":
+            registry.get_slot(name).buffer.fill_(99)
+
+
+def test_decode_registry_pads_rows_harmlessly():
+    registry = build_decode_registry(torch.device("cpu"), max_bs=8, max_blocks_per_seq=4)
+    poison(registry)
+    registry.fill_from(decode_batch([5, 9, 17], blocks=2), raw_bs=3, padded_bs=8,
+                       raw_num_tokens=3, padded_num_tokens=8)
+    view = registry.extract_buffer(padded_bs=8, padded_num_tokens=8,
+                                   template=decode_batch([1], blocks=1))
+    assert view.input_ids.tolist() == [10, 11, 12, 0, 0, 0, 0, 0]
+    assert view.positions.tolist() == [4, 8, 16, 0, 0, 0, 0, 0]
+    assert view.slot_mapping.tolist() == [100, 101, 102] + [-1] * 5
+    assert view.seq_lens.tolist() == [5, 9, 17] + [0] * 5
+    assert view.block_tables[:3, :2].eq(7).all() and view.block_tables[3:].eq(0).all()
+    assert view.cu_seqlens_q.tolist() == list(range(9))
+
+
+def test_prefill_registry_zeroes_the_token_tail():
+    registry = build_prefill_registry(torch.device("cpu"), max_num_tokens=16)
+    poison(registry)
+    batch = decode_batch([3, 4], blocks=1)
+    registry.fill_from(batch, raw_bs=0, padded_bs=0, raw_num_tokens=2, padded_num_tokens=4)
+    view = registry.extract_buffer(padded_bs=1, padded_num_tokens=4, template=batch)
+    assert view.input_ids.tolist() == [10, 11, 0, 0]
+    assert view.positions.tolist() == [2, 3, 0, 0]
+    assert view.slot_mapping is batch.slot_mapping  # attention reads the live batch
