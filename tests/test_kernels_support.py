@@ -37,7 +37,8 @@ def kernels_skip_reason() -> str | None:
         import triton.language
     except ImportError:
         return "triton is not installed (CPU: pip install --no-deps triton==3.7.1)"
-    if not ON_GPU and _version(triton.__version__) < (3, 7) <= _version(numpy.__version__):
+    old_interpreter = _version(triton.__version__) < (3, 7)
+    if not ON_GPU and old_interpreter and _version(numpy.__version__) >= (2, 4):
         return (
             f"triton {triton.__version__}'s interpreter fails with numpy "
             f"{numpy.__version__}: install triton>=3.7 or numpy<2.4"
