@@ -1,7 +1,46 @@
-"""The inner loop shared by the decode and extend attention kernels."""
+"""What the decode and extend attention kernels share: cache validation and the inner loop."""
 
+import torch
 import triton
 import triton.language as tl
+
+from bcg.kernels._launch import require_last_dim_contiguous
+
+# Scores are kept in log2 units so the softmax can use exp2.
+LOG2_E = 1.4426950408889634
+
+
+def paged_cache_geometry(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[int, int, int]:
+    """Validate a paged KV cache against ``q``; returns (block_size, num_kv_heads, group).
+
+    ``q`` is ``[num_tokens, num_heads, head_dim]``; each cache is
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``, both with the same strides.
+    Runs on every attention call, so each tensor's shape and strides are read once.
+    """
+    q_shape, cache_shape, cache_strides = q.shape, k_cache.shape, k_cache.stride()
+    if len(q_shape) != 3 or len(cache_shape) != 4:
+        raise ValueError(
+            f"expected q [tokens, heads, head_dim] and caches [blocks, block_size, kv_heads, "
+            f"head_dim], got q {tuple(q_shape)} and k_cache {tuple(cache_shape)}"
+        )
+    if cache_shape != v_cache.shape or cache_strides != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    _, block_size, num_kv_heads, head_dim = cache_shape
+    _, num_heads, q_head_dim = q_shape
+    if q_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q {tuple(q_shape)} does not fit the cache {tuple(cache_shape)}: head_dim must "
+            "match and num_heads must be a multiple of num_kv_heads"
+        )
+    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
+        raise ValueError(f"head_dim and block_size must be powers of two, got {cache_shape}")
+    require_last_dim_contiguous("q", q)
+    if cache_strides[3] != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last dimension")
+    return block_size, num_kv_heads, num_heads // num_kv_heads
+
 
 
 @triton.jit

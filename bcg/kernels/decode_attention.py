@@ -16,18 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._attention_tile import attend_kv_range
+from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_cache_geometry
 from bcg.kernels._launch import (
     PROGRAMS_PER_SM,
     CachedLauncher,
     cdiv,
     multiprocessor_count,
     next_power_of_2,
-    paged_cache_geometry,
 )
 
-LOG2_E = 1.4426950408889634
-# More splits than this only adds merge work: each chunk would be a single tile.
+# Past this, merge work and per-split overhead outweigh the extra parallelism (on an H100,
+# 32 to 128 splits of one 32k sequence run within 5% of each other).
 MAX_SPLITS = 64
 # tl.dot needs at least 16 rows; the GQA group of one KV head is padded up to this.
 MIN_DOT_ROWS = 16
@@ -42,11 +41,10 @@ class DecodeConfig:
     num_stages: int = 3
 
 
-def default_decode_config(device: torch.device) -> DecodeConfig:
-    """Tuned on an H100; small tiles in the interpreter so tests cover several tiles."""
-    if device.type != "cuda":
-        return DecodeConfig(block_n=16, num_warps=1, num_stages=1)
-    return DecodeConfig()
+# Tuned on an H100 (bench/bench_attention.py --tune); small tiles in the interpreter so that
+# tests cover several tiles per split.
+GPU_CONFIG = DecodeConfig()
+INTERPRETER_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1)
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def plan_decode(
     ``config`` override the choice (tuning, tests).
     """
     device = torch.device(device)
-    config = config or default_decode_config(device)
+    config = config or (GPU_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
     if num_splits is None:
         target_programs = PROGRAMS_PER_SM * multiprocessor_count(device)
         num_splits = cdiv(target_programs, batch_size * num_kv_heads)

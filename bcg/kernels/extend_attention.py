@@ -19,15 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._attention_tile import attend_kv_range
+from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_cache_geometry
 from bcg.kernels._launch import (
     CachedLauncher,
     cdiv,
     next_power_of_2,
-    paged_cache_geometry,
 )
 
-LOG2_E = 1.4426950408889634
 # Sequence counts are padded to powers of two from here: few compiled variants, cheap lookup.
 MIN_SEQS_PAD = 64
 
