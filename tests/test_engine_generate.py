@@ -156,3 +156,9 @@ def test_cuda_bf16_kv_cache_sized_from_memory_and_seeds_hold(tiny):
     other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     [alone] = greedy_tokens(llm, [PROMPTS[1]], seeded)
     assert greedy_tokens(llm, PROMPTS, [other, seeded, other])[1] == alone
+
+
+def test_progress_bar_shows_prefill_and_decode_throughput(llm, capsys):
+    llm.generate(PROMPTS, GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "prefill" in err and "decode" in err and "tok/s" in err

@@ -88,7 +88,8 @@ class LLMEngine:
         sampling_params = sampling_params or SamplingParams()
         require(isinstance(sampling_params, SamplingParams),
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        request_id = str(next(self._request_counter)) if request_id is None else request_id
+        if request_id is None:
+            request_id = next(i for i in map(str, self._request_counter) if i not in self._requests)
         require(request_id not in self._requests, f"request id {request_id!r} is already in use")
         token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
