@@ -162,3 +162,15 @@ def test_progress_bar_shows_prefill_and_decode_throughput(llm, capsys):
     llm.generate(PROMPTS, GREEDY, use_tqdm=True)
     err = capsys.readouterr().err
     assert "prefill" in err and "decode" in err and "tok/s" in err
+
+
+def test_tight_cache_budget_and_shared_prefixes_give_the_same_tokens(llm, tiny):
+    """Chunked prefill, prefix hits, preemption and a seat limit all at once."""
+    base = PROMPTS[2]
+    prompts = [base[:n] + [i] for i, n in enumerate((4, 9, 16, 16, 23, 29, 8, 12))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = greedy_tokens(llm, prompts, params)
+    tight = make_llm(tiny[0], kv_cache_tokens=64, max_model_len=48, max_num_batched_tokens=9,
+                     max_num_seqs=4)
+    assert greedy_tokens(tight, prompts, params) == expected
+    assert tight.engine.stats.num_preemptions > 0
