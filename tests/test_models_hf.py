@@ -1,6 +1,8 @@
 """Our eager forward through the paged KV cache against Hugging Face transformers (fp32 on
 the CPU, the reference). Tolerance on the relative error of logits (max |ours - ref| / max
-|ref|): 1e-4 in fp32 (CPU and CUDA), 3e-2 in bf16 on CUDA (bf16 keeps 8 bits of mantissa)."""
+|ref|): 1e-4 in fp32 on the CPU; 5e-3 in fp32 on CUDA, where the Triton attention's dots
+round fp32 inputs to TF32 (10-bit mantissa); 3e-2 in bf16 on CUDA (8-bit mantissa; bf16 on
+the CPU measures about 1e-2 on these models)."""
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from tests.hf_tiny import ARCHS, VOCAB, PagedHarness, hf_logits, relative_error,
 
 RUNS = [
     pytest.param(("cpu", "float32", 1e-4), id="cpu-fp32"),
-    pytest.param(("cuda", "float32", 1e-4), id="cuda-fp32", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "float32", 5e-3), id="cuda-fp32", marks=pytest.mark.gpu),
     pytest.param(("cuda", "bfloat16", 3e-2), id="cuda-bf16", marks=pytest.mark.gpu),
 ]
 
