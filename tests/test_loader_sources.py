@@ -116,3 +116,17 @@ def test_kv_cache_smaller_than_max_model_len_is_refused(tmp_path):
     save_tiny_model("llama", tmp_path)
     with pytest.raises(ValueError, match="KV cache holds 16 tokens"):
         LLM(model=str(tmp_path), device="cpu", kv_cache_tokens=16, max_model_len=128)
+
+
+def test_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="mlp.*weight' has shape .* expects"):
+        load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    config["intermediate_size"] = 96
+    config["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="lacks .* weights: model.layers.2"):
+        load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))

@@ -11,7 +11,7 @@ class Linear(nn.Module):
     """`y = x W^T + b`, with `W` the concatenation of `output_sizes` row blocks (shards).
 
     Merging q|k|v or gate|up into one weight saves kernel launches; checkpoints still hold
-    the shards separately, so `load_shard` writes one of them.
+    the shards separately, so weights load shard by shard through `shard`.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
@@ -25,8 +25,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def load_shard(self, param_name: str, shard: int, loaded: torch.Tensor) -> None:
-        """Copy `loaded` into row block `shard` of `weight` or `bias`."""
-        start = sum(self.output_sizes[:shard])
-        param = getattr(self, param_name)
-        param.data[start : start + self.output_sizes[shard]].copy_(loaded)
+    def shard(self, param_name: str, index: int) -> torch.Tensor:
+        """Row block `index` of `weight` or `bias` (a view to load into)."""
+        start = sum(self.output_sizes[:index])
+        return getattr(self, param_name).data[start : start + self.output_sizes[index]]

@@ -34,5 +34,5 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         )
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -51,25 +51,23 @@ class CausalLM(nn.Module, ABC):
                 continue
             key = self._load_one(name, tensor, modules, params)
             loaded.add(key)
-        missing = sorted(str(k) for k in expected - loaded)
+        missing = sorted(f"{name}[{shard}]" if shard is not None else name
+                         for name, shard in expected - loaded)
         if missing:
-            raise ValueError(f"the checkpoint lacks weights for: {', '.join(missing[:8])} ...")
+            raise ValueError(
+                f"the checkpoint lacks {len(missing)} weights: {', '.join(missing[:8])}"
+            )
 
     def _load_one(self, name: str, tensor: torch.Tensor, modules: dict, params: dict):
         module_path, _, param_name = name.rpartition(".")
         prefix, _, leaf = module_path.rpartition(".")
         if leaf in self.packed_modules:
             merged, shard = self.packed_modules[leaf]
-            module = modules[f"{prefix}.{merged}"]
-            module.load_shard(param_name, shard, tensor)
+            _copy_checked(name, modules[f"{prefix}.{merged}"].shard(param_name, shard), tensor)
             return (f"{prefix}.{merged}.{param_name}", shard)
         if name not in params:
             raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        param.copy_(tensor)
+        _copy_checked(name, params[name], tensor)
         return (name, None)
 
     def _expected_weight_keys(self, modules: dict, params: dict) -> set:
@@ -83,3 +81,10 @@ class CausalLM(nn.Module, ABC):
             else:
                 keys.add((name, None))
         return keys
+
+
+def _copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
+                         f"{tuple(target.shape)}: does the config match the checkpoint?")
+    target.copy_(loaded)
