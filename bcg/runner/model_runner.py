@@ -73,9 +73,12 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The transformer stack on a forward batch: `[num_tokens, hidden]` hidden states."""
-        context = ForwardContext(batch, self.kv_cache, self.attention_scales)
-        with set_forward_context(context):
+        with set_forward_context(self.forward_context(batch)):
             return self.model(batch.input_ids, batch.positions)
+
+    def forward_context(self, batch: ForwardBatch) -> ForwardContext:
+        """What attention reads while the stack runs on `batch` (eagerly or replayed)."""
+        return ForwardContext(batch, self.kv_cache, self.attention_scales)
 
     def prepare(self, seqs: Sequence[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
         input_ids, positions, slots, seq_lens, sample_indices = [], [], [], [], []
