@@ -58,6 +58,41 @@ class EngineConfig:
     enable_prefix_caching: bool = _arg(
         True, "reuse the KV cache of full blocks shared with earlier prompts"
     )
+    prefill_graph: str = _arg(
+        "breakable",
+        "graphs for prefill and mixed steps on CUDA: 'breakable' (CUDA graph segments split at "
+        "attention, which runs eagerly: one graph per token bucket serves any batch), "
+        "'piecewise' (torch.compile split at attention, plus graphs: the usual baseline), "
+        "'none' (eager); on CPU every step runs eagerly",
+        choices=("breakable", "piecewise", "none"),
+    )
+    decode_graph: str = _arg(
+        "full",
+        "graphs for decode steps on CUDA: 'full' (one CUDA graph per batch-size bucket, "
+        "attention inside), 'breakable' (attention as an eager break), 'none' (eager)",
+        choices=("full", "breakable", "none"),
+    )
+    debug_cuda_graph: bool = _arg(
+        False,
+        "capture every graph as a breakable graph whose one break runs the whole forward "
+        "eagerly: the same static buffers, padding and replay path, but every op eager "
+        "(prints and breakpoints work); a bug that survives it is not in capture",
+    )
+    prefill_graph_tokens: str | None = _arg(
+        None,
+        "comma-separated token counts to capture prefill graphs for, e.g. '64,256,1024'; "
+        "default: a ladder from 16 up to max_num_batched_tokens",
+    )
+    decode_graph_bs: str | None = _arg(
+        None,
+        "comma-separated batch sizes to capture decode graphs for, e.g. '1,8,64'; default: a "
+        "ladder from 1 up to max_num_seqs",
+    )
+    verify_graphs: bool = _arg(
+        False,
+        "after capture, replay every graph bucket on fresh inputs against eager and refuse to "
+        "start on a mismatch (catches an op captured that should have been a break)",
+    )
 
     def __post_init__(self) -> None:
         require(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
@@ -74,6 +109,10 @@ class EngineConfig:
                f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         require(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
                f"device must be auto, cuda, cuda:N or cpu; got {self.device!r}")
+        for name in ("prefill_graph_tokens", "decode_graph_bs"):
+            require(getattr(self, name) is None or _is_size_list(getattr(self, name)),
+                   f"{name} must be comma-separated positive integers like '16,64,256', got "
+                   f"{getattr(self, name)!r}")
         require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
 
@@ -88,6 +127,18 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def parse_sizes(text: str | None) -> tuple[int, ...] | None:
+    """'16,64,256' -> (16, 64, 256); None stays None."""
+    if text is None:
+        return None
+    return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+
+
+def _is_size_list(text: str) -> bool:
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    return bool(parts) and all(part.isdigit() and int(part) > 0 for part in parts)
 
 
 def require(ok: bool, message: str) -> None:

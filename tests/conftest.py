@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter; Triton reads this when a
+# kernel is defined, so set it before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

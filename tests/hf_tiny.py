@@ -60,10 +60,11 @@ class PagedHarness:
     many of their tokens to compute, and returns the logits of every computed row."""
 
     def __init__(self, folder: Path, device: str = "cpu", dtype: str = "float32",
-                 block_size: int = 4):
+                 block_size: int = 4, max_model_len: int = 256, **engine_args):
+        engine_args.setdefault("kv_cache_tokens", 1024)
         config = EngineConfig(model=str(folder), device=device, dtype=dtype,
-                              block_size=block_size, kv_cache_tokens=1024)
-        self.runner = ModelRunner(config, resolve_model(str(folder)), max_model_len=256)
+                              block_size=block_size, **engine_args)
+        self.runner = ModelRunner(config, resolve_model(str(folder)), max_model_len=max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:

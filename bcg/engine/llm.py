@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -13,6 +14,8 @@ from bcg.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -81,6 +84,7 @@ class LLM:
                 stats = self.engine.stats
                 bar.set_postfix_str(f"prefill {stats.prefill_throughput:.0f} tok/s, "
                                     f"decode {stats.decode_throughput:.0f} tok/s", refresh=False)
+        logger.info("forwards so far: %s", dict(self.engine.runner.forward_counts))
         return finished
 
 

@@ -9,6 +9,8 @@ Rows past the batch's real token count (graph padding) are neither read nor cach
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -27,7 +29,7 @@ def attention(
     k_cache, v_cache = context.kv_cache.layer(layer_id)
     paged_attention(q[:n], k[:n], v[:n], k_cache, v_cache, context.batch.slot_mapping[:n],
                     context.batch, context.attention_scales[layer_id], output[:n],
-                    use_kernels=q.is_cuda)
+                    use_kernels=q.is_cuda, decode_plan=context.decode_plan)
 
 
 def paged_attention(
@@ -41,6 +43,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     use_kernels: bool,
+    decode_plan: Any = None,
 ) -> None:
     """Store the new K/V at their slots, then attend over the batch's sequences with the
     Triton kernels (CUDA) or the reference. All token-axis tensors hold live tokens only."""
@@ -56,13 +59,24 @@ def paged_attention(
 
     store_kv_kernel(k, v, k_cache, v_cache, slot_mapping)
     if batch.is_decode:
-        decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, out=out)
+        decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, out=out,
+                         plan=decode_plan)
     else:
         extend_attention(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
                          batch.block_tables, scale, out=out)
 
 
 attention_break = eager_on_graph(attention)
+
+
+@torch.compiler.disable
+def attention_outside_compile(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_id: int
+) -> None:
+    """What a `torch.compile`d stack calls: compilation stops here (the piecewise split), and
+    at run time the op is a graph break when a breakable graph is being captured."""
+    op = attention_break if is_in_breakable_cuda_graph() else attention
+    op(q, k, v, output, layer_id)
 
 
 class Attention(nn.Module):
@@ -78,6 +92,9 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         output = torch.empty_like(q)
-        op = attention_break if is_in_breakable_cuda_graph() else attention
+        if torch.compiler.is_compiling():
+            op = attention_outside_compile
+        else:
+            op = attention_break if is_in_breakable_cuda_graph() else attention
         op(q, k, v, output, self.layer_id)
         return output

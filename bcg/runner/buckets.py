@@ -19,11 +19,3 @@ def ladder(requested: tuple[int, ...] | None, default: tuple[int, ...], limit: i
         return sorted(set(requested))
     return sorted({size for size in default if size < limit} | {limit})
 
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """'16,64,256' -> (16, 64, 256), for the CLI's bucket flags."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        message = f"expected comma-separated integers like '16,64,256', got {text!r}"
-        raise ValueError(message) from None

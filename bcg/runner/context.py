@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 from bcg.runner.forward_batch import ForwardBatch
 from bcg.runner.kv_cache import KVCache
@@ -20,6 +21,9 @@ class ForwardContext:
     batch: ForwardBatch
     kv_cache: KVCache
     attention_scales: list[float]  # softmax scale of each attention layer, by layer id
+    # Split count and workspace of the decode kernel, built once per step (or per decode
+    # graph bucket, whose replays all reuse it): layers must not allocate their own.
+    decode_plan: Any = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("bcg_forward_context", default=None)

@@ -131,6 +131,21 @@ class GraphRunner:
             self.pool_bytes / 2**30,
         )
 
+    def measure_pool_bytes(self) -> int:
+        """Pool memory the graphs will take, from a throw-away capture of the largest bucket
+        (smaller buckets reuse its blocks), so the KV cache can be sized around it."""
+        torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        captured = self.capture_one(self.max_size)
+        used = torch.cuda.memory_reserved(self.device) - reserved
+        del captured
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.pool = torch.cuda.graph_pool_handle()  # the measured pool is gone
+        return used
+
     @torch.inference_mode()
     def capture_one(self, size: int) -> CapturedStack:
         input_ids, positions, context = self.capture_inputs(size)

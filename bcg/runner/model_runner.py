@@ -8,9 +8,10 @@ rows to sample and the sampler. The runner knows sequences only through `Schedul
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,7 +22,12 @@ from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
 from bcg.runner.context import ForwardContext, set_forward_context
 from bcg.runner.forward_batch import ForwardBatch
+from bcg.runner.graph_setup import build_graph_runners
+from bcg.runner.graph_verify import verify_graphs
 from bcg.runner.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from bcg.kernels.decode_attention import DecodePlan
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +60,22 @@ class ModelRunner:
         self.model_config = source.config
         self.attention_scales = self._attention_scales()
         self.sampler = Sampler()
-        self.kv_cache = self._allocate_kv_cache(config, max_model_len)
+        self.forward_counts: Counter[str] = Counter()
+        self._decode_plans: dict[int, DecodePlan] = {}
+        # Prefill graphs never touch the cache inside a segment, so they are captured against a
+        # one-block stand-in before the cache is sized: their pool is then counted as used.
+        # Decode graphs bake the cache in; their pool is measured first and set aside.
+        self.kv_cache = self._new_kv_cache(1)
+        decode, prefill = build_graph_runners(self, config, max_model_len)
+        if prefill is not None:
+            prefill.capture_all()
+        decode_pool_bytes = decode.measure_pool_bytes() if decode is not None else 0
+        self.kv_cache = self._allocate_kv_cache(config, max_model_len, decode_pool_bytes)
+        if decode is not None:
+            decode.capture_all()
+        self.graph_runners = [r for r in (decode, prefill) if r is not None]
+        if config.verify_graphs and self.graph_runners:
+            verify_graphs(self)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -72,13 +93,40 @@ class ModelRunner:
         return self.sampler(logits, self.sampling_batch(sampling)).tolist()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The transformer stack on a forward batch: `[num_tokens, hidden]` hidden states."""
+        """The transformer stack on a forward batch: `[num_tokens, hidden]` hidden states,
+        from the first graph runner that has a bucket for it, else eagerly."""
+        for runner in self.graph_runners:
+            bucket = runner.bucket_for(batch)
+            if bucket is not None:
+                self.forward_counts[f"{runner.kind} graph"] += 1
+                return runner.run(batch, bucket)[: batch.num_tokens]
+        self.forward_counts["eager"] += 1
+        return self.forward_eager(batch)
+
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         with set_forward_context(self.forward_context(batch)):
             return self.model(batch.input_ids, batch.positions)
 
     def forward_context(self, batch: ForwardBatch) -> ForwardContext:
         """What attention reads while the stack runs on `batch` (eagerly or replayed)."""
-        return ForwardContext(batch, self.kv_cache, self.attention_scales)
+        plan = self._decode_plan(batch.num_seqs) if batch.is_decode and self.uses_kernels else None
+        return ForwardContext(batch, self.kv_cache, self.attention_scales, plan)
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _decode_plan(self, num_seqs: int) -> DecodePlan:
+        """One decode-kernel workspace per power-of-two batch size, shared by all layers and
+        steps (and by the decode graphs of that size, which never replay at once)."""
+        size = 1 << (num_seqs - 1).bit_length()
+        if size not in self._decode_plans:
+            from bcg.kernels.decode_attention import plan_decode  # needs Triton: CUDA only
+
+            c = self.model_config
+            self._decode_plans[size] = plan_decode(size, c.num_attention_heads,
+                                                   c.num_key_value_heads, c.head_dim, self.device)
+        return self._decode_plans[size]
 
     def prepare(self, seqs: Sequence[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
         input_ids, positions, slots, seq_lens, sample_indices = [], [], [], [], []
@@ -134,8 +182,10 @@ class ModelRunner:
         assert [layer.layer_id for layer in layers] == list(range(len(layers)))
         return [layer.scale for layer in layers]
 
-    def _allocate_kv_cache(self, config: EngineConfig, max_model_len: int) -> KVCache:
-        num_blocks = self._num_kv_blocks(config, max_model_len)
+    def _allocate_kv_cache(
+        self, config: EngineConfig, max_model_len: int, reserved_bytes: int = 0
+    ) -> KVCache:
+        num_blocks = self._num_kv_blocks(config, max_model_len, reserved_bytes)
         capacity = num_blocks * self.block_size
         if capacity < max_model_len:
             raise ValueError(
@@ -151,7 +201,7 @@ class ModelRunner:
         return KVCache(c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads,
                        c.head_dim, self.dtype, self.device)
 
-    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, reserved_bytes: int) -> int:
         if config.kv_cache_tokens is not None:
             return -(-config.kv_cache_tokens // self.block_size)
         if self.device.type != "cuda":
@@ -159,7 +209,7 @@ class ModelRunner:
         c = self.model_config
         block_bytes = KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
                                               c.num_key_value_heads, c.head_dim, self.dtype)
-        return self._free_kv_bytes(config) // block_bytes
+        return max(0, self._free_kv_bytes(config) - reserved_bytes) // block_bytes
 
     def _free_kv_bytes(self, config: EngineConfig) -> int:
         """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now
@@ -181,7 +231,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.kv_cache = self._new_kv_cache(num_blocks)
         seq = _ProfileSequence(num_tokens, list(range(num_blocks)))
-        hidden_states = self.forward(self.prepare([seq], [num_tokens]))
+        hidden_states = self.forward(self.prepare([seq], [num_tokens]))  # a graph if captured
         rows = min(max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows])
         self.sampler(logits, self.sampling_batch([seq] * rows))
