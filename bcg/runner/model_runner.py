@@ -22,6 +22,7 @@ from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
 from bcg.runner.context import ForwardContext, set_forward_context
 from bcg.runner.forward_batch import ForwardBatch
+from bcg.runner.graph_runner import GraphRunner
 from bcg.runner.graph_setup import build_graph_runners
 from bcg.runner.graph_verify import verify_graphs
 from bcg.runner.kv_cache import KVCache
@@ -66,14 +67,16 @@ class ModelRunner:
         # one-block stand-in before the cache is sized: their pool is then counted as used.
         # Decode graphs bake the cache in; their pool is measured first and set aside.
         self.kv_cache = self._new_kv_cache(1)
+        self.graph_runners: list[GraphRunner] = []  # tried in order; decode first
         decode, prefill = build_graph_runners(self, config, max_model_len)
         if prefill is not None:
             prefill.capture_all()
+            self.graph_runners.append(prefill)
         decode_pool_bytes = decode.measure_pool_bytes() if decode is not None else 0
         self.kv_cache = self._allocate_kv_cache(config, max_model_len, decode_pool_bytes)
         if decode is not None:
             decode.capture_all()
-        self.graph_runners = [r for r in (decode, prefill) if r is not None]
+            self.graph_runners.insert(0, decode)
         if config.verify_graphs and self.graph_runners:
             verify_graphs(self)
 
