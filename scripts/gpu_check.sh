@@ -18,8 +18,14 @@ summary=()
 for step in "${steps[@]}"; do
   echo "=== $step"
   if [ "$step" = tests ]; then
-    python3 -m pytest -q -m gpu tests 2>&1 | tee "$log_dir/tests.log"
-    summary+=("tests: $(tail -n 1 "$log_dir/tests.log")")
+    # One process per file: a CUDA error is sticky and would fail every later test.
+    : >"$log_dir/tests.log"
+    for file in $(grep -l "gpu" tests/test_*.py); do
+      python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short "$file" >"$log_dir/t.log" 2>&1
+      cat "$log_dir/t.log" >>"$log_dir/tests.log"
+      summary+=("$(basename "$file"): $(tail -n 1 "$log_dir/t.log")")
+    done
+    grep -hE "^(FAILED|ERROR)" "$log_dir/tests.log" | head -20
   else
     python3 "bench/$step.py" 2>&1 | tee "$log_dir/$step.log"
     status=$?

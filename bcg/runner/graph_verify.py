@@ -84,13 +84,15 @@ def _fresh_batch(runner: ModelRunner, graph: GraphRunner, bucket: int, rng: rand
     smaller = [b for b in graph.buckets if b < bucket]
     size = rng.randint((smaller[-1] + 1) if smaller else 1, bucket)
     vocab = runner.model_config.vocab_size
+    max_len = runner.max_model_len
     if graph.kind == "decode":
         new_tokens = [1] * size
     else:
-        new_tokens = _split(size, rng.randint(1, min(4, size)), rng)
+        fewest = -(-size // max(1, max_len - MAX_PREFIX))  # no sequence past max_model_len
+        new_tokens = _split(size, max(fewest, rng.randint(1, min(4, size))), rng)
     seqs = []
     for n in new_tokens:
-        prefix = rng.randint(0, MAX_PREFIX)
+        prefix = rng.randint(0, min(MAX_PREFIX, max_len - n))
         tokens = [rng.randrange(vocab) for _ in range(prefix + n)]
         blocks = cursor.take(-(-(prefix + n) // runner.block_size))
         seqs.append(_Sequence(tokens, prefix, blocks))

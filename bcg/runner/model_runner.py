@@ -57,6 +57,7 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
         self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = source.config
         self.attention_scales = self._attention_scales()
@@ -212,32 +213,37 @@ class ModelRunner:
         c = self.model_config
         block_bytes = KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
                                               c.num_key_value_heads, c.head_dim, self.dtype)
-        return max(0, self._free_kv_bytes(config) - reserved_bytes) // block_bytes
+        return max(0, self._free_kv_bytes(config, max_model_len) - reserved_bytes) // block_bytes
 
-    def _free_kv_bytes(self, config: EngineConfig) -> int:
+    def _free_kv_bytes(self, config: EngineConfig, max_model_len: int) -> int:
         """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now
-        (weights, other processes), minus the peak activations of the largest step."""
+        (weights, graph pools, other processes), minus the peak activations of the largest step."""
         activation_bytes = self._profile_activation_bytes(
-            config.max_num_batched_tokens, config.max_num_seqs
+            config.max_num_batched_tokens, config.max_num_seqs, max_model_len
         )
         free, total = torch.cuda.mem_get_info(self.device)
         allowed = int(total * config.gpu_memory_utilization)
         return max(0, allowed - (total - free) - activation_bytes)
 
     @torch.inference_mode()
-    def _profile_activation_bytes(self, num_tokens: int, max_num_seqs: int) -> int:
-        """Peak extra memory of the largest step: a forward of `num_tokens` prompt tokens of
-        one sequence (the largest attention), then sampling `max_num_seqs` rows with top-p."""
-        num_blocks = -(-num_tokens // self.block_size)
+    def _profile_activation_bytes(self, num_tokens: int, max_num_seqs: int,
+                                  max_model_len: int) -> int:
+        """Peak extra memory of the largest step: a forward of `num_tokens` prompt tokens in
+        sequences as long as allowed (the largest attention), then sampling `max_num_seqs` rows
+        with top-p."""
+        lengths = [min(max_model_len, num_tokens - start)
+                   for start in range(0, num_tokens, max_model_len)]
+        blocks_per_seq = -(-max_model_len // self.block_size)
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.kv_cache = self._new_kv_cache(num_blocks)
-        seq = _ProfileSequence(num_tokens, list(range(num_blocks)))
-        hidden_states = self.forward(self.prepare([seq], [num_tokens]))  # a graph if captured
+        self.kv_cache = self._new_kv_cache(blocks_per_seq * len(lengths))
+        seqs = [_ProfileSequence(n, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+                for i, n in enumerate(lengths)]
+        hidden_states = self.forward(self.prepare(seqs, lengths))  # a graph if captured
         rows = min(max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows])
-        self.sampler(logits, self.sampling_batch([seq] * rows))
+        self.sampler(logits, self.sampling_batch([seqs[0]] * rows))
         torch.cuda.synchronize(self.device)
         del self.kv_cache, hidden_states, logits
         peak = torch.cuda.max_memory_allocated(self.device)
