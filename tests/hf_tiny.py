@@ -27,10 +27,14 @@ ARCHS = {
 }
 
 
-def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB"):
-    """Save a random model of `arch` (weights large enough for confident logits); return it."""
+def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB", **overrides):
+    """Save a random model of `arch` (weights large enough for confident logits), its config
+    changed by `overrides`; return it."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(ARCHS[arch]()).eval()
+    config = ARCHS[arch]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.15)
@@ -65,7 +69,8 @@ class PagedHarness:
         config = EngineConfig(model=str(folder), device=device, dtype=dtype,
                               block_size=block_size, **engine_args)
         self.runner = ModelRunner(config, resolve_model(str(folder)), max_model_len=max_model_len)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
+                                          config.enable_prefix_caching)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:
         seq = Sequence(str(id(token_ids)), token_ids, SamplingParams(temperature=0))

@@ -44,6 +44,14 @@ def stack(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return x
 
 
+@pytest.fixture(autouse=True, scope="module")
+def cublas_ready():
+    """Create the cuBLAS handle before any capture: creating it inside one fails, as with
+    any graph capture, which a warm-up run normally takes care of."""
+    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+    torch.cuda.synchronize()
+
+
 def make_weights(layers: int, width: int = 64) -> list[torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     return [torch.randn(width, width, device="cuda", generator=gen) * 0.1 for _ in range(layers)]

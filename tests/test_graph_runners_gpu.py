@@ -15,11 +15,11 @@ pytestmark = pytest.mark.gpu
 
 TOLERANCE = 3e-2
 PREFIX = 5
-MODES = {
+MODES = {  # every graph mode serves both decode and prefill steps
     "eager": dict(prefill_graph="none", decode_graph="none"),
     "full+breakable": dict(prefill_graph="breakable", decode_graph="full"),
-    "breakable decode": dict(prefill_graph="none", decode_graph="breakable"),
-    "piecewise": dict(prefill_graph="piecewise", decode_graph="none"),
+    "breakable decode": dict(prefill_graph="breakable", decode_graph="breakable"),
+    "piecewise": dict(prefill_graph="piecewise", decode_graph="full"),
     "debug": dict(prefill_graph="breakable", decode_graph="full", debug_cuda_graph=True),
 }
 LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=8192, kv_cache_tokens=20000,
@@ -29,7 +29,7 @@ LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=8192, kv_cache_tokens=20000
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def folder(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    save_tiny_model(request.param, path)
+    save_tiny_model(request.param, path, max_position_embeddings=LIMITS["max_model_len"])
     return path
 
 
