@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -61,3 +62,29 @@ def write_results(name: str, payload: dict) -> Path:
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {path}")
     return path
+
+
+def hbm_bandwidth_gbs(num_bytes: int = 2**31) -> float:
+    """Measured device memory bandwidth, GB/s of bytes read (a large device-to-device copy
+    reads and writes each byte; weights are only read, so count the read half)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_per_call_ms(functools.partial(dst.copy_, src), iters=20)
+    return num_bytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(size: int = 8192) -> float:
+    """Measured dense bf16 matmul throughput, the compute ceiling for the floors."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    ms = time_per_call_ms(functools.partial(torch.matmul, a, b), iters=20)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one forward reads: every parameter except an untied input embedding,
+    of which a step gathers only a few rows."""
+    embedding = model.get_submodule("model.embed_tokens").weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding) + (
+        embedding.numel() * embedding.element_size() if model.config.tie_word_embeddings else 0
+    )

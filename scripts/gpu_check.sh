@@ -13,7 +13,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 log_dir="${OUT:-/tmp/gpu_check}"
 mkdir -p "$log_dir"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests bench_graph bench_buffers)
+[ ${#steps[@]} -eq 0 ] && steps=(tests bench_graph bench_buffers bench_attention bench_prefill bench_decode)
 summary=()
 for step in "${steps[@]}"; do
   echo "=== $step"

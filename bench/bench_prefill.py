@@ -1,0 +1,182 @@
+"""Prefill latency of the transformer stack: eager vs breakable graphs vs piecewise
+(`torch.compile` split at attention, plus graphs) vs one full CUDA graph of the exact batch.
+
+Dummy weights in bf16. Each row is one forward of `batch` sequences sharing `tokens` new
+tokens (no cached prefix). Graph buckets are the token counts measured, so no row pays for
+padding. Floors: weight bytes / measured HBM bandwidth, and 2 * params * tokens / measured
+matmul throughput. Run: python bench/bench_prefill.py [--models qwen3-0.6b qwen3-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    decode_weight_bytes,
+    hbm_bandwidth_gbs,
+    matmul_tflops,
+    print_table,
+    require_cuda,
+    time_per_call_ms,
+    write_results,
+)
+
+from bcg.config import EngineConfig  # noqa: E402
+from bcg.loader.model_source import resolve_model  # noqa: E402
+from bcg.runner.graph_setup import build_graph_runners  # noqa: E402
+from bcg.runner.model_runner import ModelRunner  # noqa: E402
+
+BATCH_SIZES = (1, 4, 16)
+TOKENS = (16, 64, 256, 1024, 4096)
+MAX_MODEL_LEN = 4096
+
+
+@dataclasses.dataclass
+class _Sequence:
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int = 0
+    sampling_params: None = None
+    generator: None = None
+
+
+def make_runner(model: str) -> tuple[ModelRunner, EngineConfig]:
+    config = EngineConfig(
+        model=model,
+        load_format="dummy",
+        prefill_graph="none",
+        decode_graph="none",
+        max_num_seqs=max(BATCH_SIZES),
+        max_num_batched_tokens=max(TOKENS),
+        gpu_memory_utilization=0.75,
+        prefill_graph_tokens=",".join(map(str, TOKENS)),
+    )
+    return ModelRunner(config, resolve_model(model, "dummy"), MAX_MODEL_LEN), config
+
+
+def make_batch(runner: ModelRunner, batch: int, tokens: int):
+    per_seq = tokens // batch
+    blocks = -(-per_seq // runner.block_size)
+    seqs = [
+        _Sequence(
+            [(7 * i + s) % 1000 for i in range(per_seq)], list(range(s * blocks, (s + 1) * blocks))
+        )
+        for s in range(batch)
+    ]
+    return runner.prepare(seqs, [per_seq] * batch)
+
+
+def full_graph_step(runner: ModelRunner, batch):
+    """One CUDA graph of the whole stack for this exact batch (attention included): the
+    bound a graph can reach when nothing about the batch changes."""
+    runner.forward_eager(batch)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner.forward_eager(batch)
+    return graph.replay
+
+
+@torch.inference_mode()
+def bench_model(model: str, floors: dict) -> tuple[list[dict], list[dict]]:
+    runner, config = make_runner(model)
+    params = sum(p.numel() for p in runner.model.parameters())
+    weight_floor_ms = decode_weight_bytes(runner.model) / (floors["hbm_gbs"] * 1e9) * 1e3
+    rows, startup = [], []
+    for mode in ("eager", "breakable", "piecewise"):
+        runner.graph_runners = []
+        if mode != "eager":
+            _, prefill = build_graph_runners(
+                runner, dataclasses.replace(config, prefill_graph=mode), MAX_MODEL_LEN
+            )
+            prefill.capture_all()
+            runner.graph_runners = [prefill]
+            startup.append(
+                {
+                    "model": model,
+                    "mode": mode,
+                    "capture_s": prefill.capture_seconds,
+                    "pool_gib": prefill.pool_bytes / 2**30,
+                }
+            )
+        for batch_size in BATCH_SIZES:
+            for tokens in TOKENS:
+                batch = make_batch(runner, batch_size, tokens)
+                iters = max(5, min(200, 20_000 // tokens))
+                steps = {mode: functools.partial(runner.forward, batch)}
+                if mode == "eager":
+                    steps["full graph"] = full_graph_step(runner, batch)
+                for name, step in steps.items():
+                    rows.append(
+                        {
+                            "model": model,
+                            "mode": name,
+                            "batch": batch_size,
+                            "tokens": tokens,
+                            "ms": time_per_call_ms(step, iters),
+                            "weight_floor_ms": weight_floor_ms,
+                            "compute_floor_ms": 2
+                            * params
+                            * tokens
+                            / (floors["tflops"] * 1e12)
+                            * 1e3,
+                        }
+                    )
+        del runner.graph_runners[:]
+        gc.collect()
+        torch.cuda.empty_cache()
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows, startup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
+    args = parser.parse_args()
+    require_cuda("bench_prefill")
+    floors = {"hbm_gbs": hbm_bandwidth_gbs(), "tflops": matmul_tflops()}
+    rows, startup = [], []
+    for model in args.models:
+        model_rows, model_startup = bench_model(model, floors)
+        rows += model_rows
+        startup += model_startup
+    table = {}
+    for r in rows:
+        key = (r["model"], r["batch"], r["tokens"])
+        table.setdefault(key, dict(weight=r["weight_floor_ms"], compute=r["compute_floor_ms"]))
+        table[key][r["mode"]] = r["ms"]
+    modes = ["eager", "breakable", "piecewise", "full graph"]
+    print_table(
+        f"prefill ms per forward (HBM {floors['hbm_gbs']:.0f} GB/s read, "
+        f"matmul {floors['tflops']:.0f} TFLOP/s)",
+        ["model", "batch", "tokens", *modes, "eager/breakable", "floor (max)"],
+        [
+            [
+                *key,
+                *[v.get(m, "-") for m in modes],
+                v["eager"] / v["breakable"],
+                max(v["weight"], v["compute"]),
+            ]
+            for key, v in table.items()
+        ],
+    )
+    print_table(
+        "start-up",
+        ["model", "mode", "capture s", "graph pool GiB"],
+        [[s["model"], s["mode"], s["capture_s"], s["pool_gib"]] for s in startup],
+    )
+    write_results("bench_prefill", {"floors": floors, "rows": rows, "startup": startup})
+
+
+if __name__ == "__main__":
+    main()
