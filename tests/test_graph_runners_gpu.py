@@ -96,9 +96,9 @@ def test_every_bucket_replays_in_random_order_like_eager(folder):
 
 def test_batches_beyond_the_buckets_fall_back_to_eager_and_are_counted(folder):
     h = harness(folder, "full+breakable", prefill_graph_tokens="16,64", decode_graph_bs="1,2")
-    prompts = [prompt(PREFIX + 100, seed=i) for i in range(3)]
-    eager = harness(folder, "eager")
     steps = [[100, 10, 10], [1, 1, 1]]
+    prompts = [prompt(PREFIX + sum(s[i] for s in steps), seed=i) for i in range(3)]
+    eager = harness(folder, "eager")
     counts = h.runner.forward_counts
     start = counts.copy()
     assert_same_logits(run_steps(h, prompts, steps), run_steps(eager, prompts, steps))

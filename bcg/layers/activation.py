@@ -6,10 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bcg.layers.fused import use_fused_kernels
+
 
 class SiluAndMul(nn.Module):
     """`silu(gate) * up` for `x = gate | up` concatenated on the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x):
+            from bcg.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bcg.layers.fused import use_fused_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -13,6 +15,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x):
+            from bcg.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         # Normalise in fp32, scale in the input dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -21,6 +27,11 @@ class RMSNorm(nn.Module):
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(norm(x + residual), x + residual)`: the new hidden state and residual."""
+        """Return `(norm(x + residual), x + residual)`: the new hidden state and residual.
+        With the fused kernel the sum is written into `residual` in place."""
+        if use_fused_kernels(x):
+            from bcg.kernels.rmsnorm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual

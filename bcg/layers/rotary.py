@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from bcg.layers.fused import use_fused_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -26,7 +28,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q `[T, H, D]` and k `[T, KVH, D]` by their token positions `[T]`."""
+        """Rotate q `[T, H, D]` and k `[T, KVH, D]` by their token positions `[T]` (in place
+        with the fused kernel)."""
+        if use_fused_kernels(q):
+            from bcg.kernels.rotary import apply_rotary
+
+            apply_rotary(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -89,7 +89,7 @@ def _fresh_batch(runner: ModelRunner, graph: GraphRunner, bucket: int, rng: rand
         new_tokens = [1] * size
     else:
         fewest = -(-size // max(1, max_len - MAX_PREFIX))  # no sequence past max_model_len
-        new_tokens = _split(size, max(fewest, rng.randint(1, min(4, size))), rng)
+        new_tokens = _split(size, max(fewest, rng.randint(1, min(4, size))))
     seqs = []
     for n in new_tokens:
         prefix = rng.randint(0, min(MAX_PREFIX, max_len - n))
@@ -99,6 +99,6 @@ def _fresh_batch(runner: ModelRunner, graph: GraphRunner, bucket: int, rng: rand
     return runner.prepare(seqs, new_tokens)
 
 
-def _split(total: int, parts: int, rng: random.Random) -> list[int]:
-    cuts = sorted(rng.sample(range(1, total), parts - 1)) if parts > 1 else []
-    return [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+def _split(total: int, parts: int) -> list[int]:
+    """`total` tokens in `parts` sequences of nearly equal length."""
+    return [total // parts + (index < total % parts) for index in range(parts)]
