@@ -175,7 +175,8 @@ def main() -> None:
         ["model", "mode", "capture s", "graph pool GiB"],
         [[s["model"], s["mode"], s["capture_s"], s["pool_gib"]] for s in startup],
     )
-    write_results("bench_prefill", {"floors": floors, "rows": rows, "startup": startup})
+    write_results("bench_prefill_" + "_".join(args.models),
+                  {"floors": floors, "rows": rows, "startup": startup})
 
 
 if __name__ == "__main__":
