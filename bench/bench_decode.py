@@ -91,7 +91,7 @@ def main() -> None:
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-    print_table(f"decode engine step (bf16; HBM {hbm_gbs:.0f} GB/s read)",
+    print_table(f"decode engine step (bf16; HBM {hbm_gbs:.0f} GB/s)",
                 ["model", "mode", "batch", "ms/step", "tok/s", "x weight-read roofline"], rows)
     write_results("bench_decode", {"prompt_len": PROMPT_LEN, "hbm_gbs": hbm_gbs,
                                    "decode_steps": DECODE_STEPS, "results": results})

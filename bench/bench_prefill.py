@@ -157,7 +157,7 @@ def main() -> None:
         table[key][r["mode"]] = r["ms"]
     modes = ["eager", "breakable", "piecewise", "full graph"]
     print_table(
-        f"prefill ms per forward (HBM {floors['hbm_gbs']:.0f} GB/s read, "
+        f"prefill ms per forward (HBM {floors['hbm_gbs']:.0f} GB/s, "
         f"matmul {floors['tflops']:.0f} TFLOP/s)",
         ["model", "batch", "tokens", *modes, "eager/breakable", "floor (max)"],
         [

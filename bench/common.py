@@ -65,12 +65,12 @@ def write_results(name: str, payload: dict) -> Path:
 
 
 def hbm_bandwidth_gbs(num_bytes: int = 2**31) -> float:
-    """Measured device memory bandwidth, GB/s of bytes read (a large device-to-device copy
-    reads and writes each byte; weights are only read, so count the read half)."""
+    """Measured device memory bandwidth in GB/s: bytes read plus bytes written by a large
+    device-to-device copy (a read-only stream, like a weight read, moves about as fast)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_per_call_ms(functools.partial(dst.copy_, src), iters=20)
-    return num_bytes / (ms * 1e-3) / 1e9
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
 def matmul_tflops(size: int = 8192) -> float:
