@@ -1,0 +1,123 @@
+"""Offline throughput: a fixed workload through `LLM.generate` per graph mode, and Hugging
+Face transformers `generate` on the same architecture as the outside peer.
+
+256 requests, prompt and output lengths uniform in [100, 1024] (fixed seed), greedy,
+`ignore_eos` so every request produces its full length; dummy weights in bf16. tok/s counts
+prompt + generated tokens over the wall time of the whole run; start-up is the engine's
+construction (weights, graph capture, KV cache). Transformers runs the requests in batches
+of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
+request asked for are counted). Run: python bench/bench_offline.py [--models qwen3-0.6b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, require_cuda, write_results  # noqa: E402
+
+from bcg.engine.llm import LLM  # noqa: E402
+from bcg.engine.sampling_params import SamplingParams  # noqa: E402
+from bcg.models.presets import PRESETS  # noqa: E402
+
+NUM_REQUESTS = 256
+MODES = {
+    "eager": {"decode_graph": "none", "prefill_graph": "none"},
+    "decode graph": {"decode_graph": "full", "prefill_graph": "none"},
+    "decode + breakable": {"decode_graph": "full", "prefill_graph": "breakable"},
+    "decode + piecewise": {"decode_graph": "full", "prefill_graph": "piecewise"},
+}
+
+
+def workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab) for _ in range(rng.randint(100, 1024))],
+             rng.randint(100, 1024)) for _ in range(NUM_REQUESTS)]
+
+
+def run_bcg(model: str, mode: str, requests) -> dict:
+    start = time.perf_counter()
+    llm = LLM(model=model, load_format="dummy", max_model_len=2048, **MODES[mode])
+    startup = time.perf_counter() - start
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"generated": generated, "seconds": seconds, "startup_s": startup}
+
+
+def hf_config(model: str):
+    """The preset as a transformers config, for the same architecture with random weights."""
+    from transformers import AutoConfig
+
+    model_types = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                   "Qwen3ForCausalLM": "qwen3"}
+    preset = PRESETS[model]
+    return AutoConfig.for_model(model_types[preset["architectures"][0]], **preset)
+
+
+def run_transformers(model: str, requests, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hf_config(model), dtype=torch.bfloat16).eval()
+    startup = time.perf_counter() - start
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for first in range(0, len(requests), batch_size):
+        chunk = requests[first : first + batch_size]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk],
+                            device="cuda")
+        longest = max(n for _, n in chunk)
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                        min_new_tokens=longest, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"generated": sum(n for _, n in requests), "seconds": seconds, "startup_s": startup}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
+    parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
+    args = parser.parse_args()
+    require_cuda("bench_offline")
+    rows = []
+    for model in args.models:
+        requests = workload(PRESETS[model]["vocab_size"])
+        prompt_tokens = sum(len(p) for p, _ in requests)
+        results = {mode: run_bcg(model, mode, requests) for mode in MODES}
+        results["transformers generate"] = run_transformers(model, requests, args.hf_batch)
+        for mode, r in results.items():
+            total = prompt_tokens + r["generated"]
+            rows.append({"model": model, "mode": mode, **r, "prompt_tokens": prompt_tokens,
+                         "tokens_per_s": total / r["seconds"],
+                         "output_tokens_per_s": r["generated"] / r["seconds"]})
+    print_table(f"offline throughput, {NUM_REQUESTS} requests, lengths uniform in [100, 1024]",
+                ["model", "mode", "tok/s (in+out)", "out tok/s", "run s", "start-up s"],
+                [[r["model"], r["mode"], r["tokens_per_s"], r["output_tokens_per_s"],
+                  r["seconds"], r["startup_s"]] for r in rows])
+    write_results("bench_offline_" + "_".join(args.models), {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
