@@ -105,13 +105,16 @@ def main() -> None:
     for model in args.models:
         requests = workload(PRESETS[model]["vocab_size"])
         prompt_tokens = sum(len(p) for p, _ in requests)
-        results = {mode: run_bcg(model, mode, requests) for mode in MODES}
-        results["transformers generate"] = run_transformers(model, requests, args.hf_batch)
-        for mode, r in results.items():
+        for mode in [*MODES, "transformers generate"]:
+            if mode in MODES:
+                r = run_bcg(model, mode, requests)
+            else:
+                r = run_transformers(model, requests, args.hf_batch)
             total = prompt_tokens + r["generated"]
             rows.append({"model": model, "mode": mode, **r, "prompt_tokens": prompt_tokens,
                          "tokens_per_s": total / r["seconds"],
                          "output_tokens_per_s": r["generated"] / r["seconds"]})
+            print(rows[-1], flush=True)  # a long run still leaves every finished mode
     print_table(f"offline throughput, {NUM_REQUESTS} requests, lengths uniform in [100, 1024]",
                 ["model", "mode", "tok/s (in+out)", "out tok/s", "run s", "start-up s"],
                 [[r["model"], r["mode"], r["tokens_per_s"], r["output_tokens_per_s"],
