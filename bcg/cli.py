@@ -1,4 +1,4 @@
-"""`bcg` command line: `bcg generate "prompt"` with every engine argument as a flag."""
+"""`bcg` command line: `bcg generate "prompt"` and `bcg serve`, every engine argument a flag."""
 
 from __future__ import annotations
 
@@ -56,6 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
                           help="keep generating past the end-of-sequence token")
     sampling.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_args(generate)
+    serve = commands.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                    "/metrics; every request in flight shares the engine's steps.",
+    )
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients pass as `model`; default: --model as given, or "
+                            "the built-in model's name")
+    serve.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
+    add_engine_args(serve)
     return parser
 
 
@@ -64,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _generate(args)
+        return _serve(args) if args.command == "serve" else _generate(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"bcg: error: {error}", file=sys.stderr)
         return 2
@@ -89,6 +102,13 @@ def _generate(args: argparse.Namespace) -> int:
         if len(outputs) > 1:
             print(f"### {prompt}")
         print(output.text if args.chat else prompt + output.text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from bcg.server.serve import serve
+
+    serve(engine_config_from_args(args), args.host, args.port, args.served_model_name)
     return 0
 
 

@@ -1,0 +1,193 @@
+"""One background thread owns the `LLMEngine` and steps it for every HTTP request at once.
+
+The engine is not thread-safe, so everything that touches it (tokenizing, adding, aborting,
+stepping) runs on this thread. Coroutines hand it work through a command queue and get
+their outputs back on an asyncio queue per HTTP request, filled with
+`loop.call_soon_threadsafe`. Requests from different HTTP calls share every step:
+continuous batching across clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bcg.engine.llm_engine import LLMEngine
+from bcg.engine.outputs import RequestOutput
+from bcg.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
+
+
+@dataclass
+class EngineSnapshot:
+    """What /metrics reports; refreshed by the engine thread after every step."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    forwards: dict[str, int] = field(default_factory=dict)  # "eager", "<kind> graph" -> count
+
+
+@dataclass
+class _Route:
+    outputs: asyncio.Queue
+    index: int  # which choice of its HTTP request
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.snapshot = EngineSnapshot()
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._routes: dict[str, _Route] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="bcg-engine", daemon=True)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is still running and join the engine thread."""
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    async def add(
+        self, prompts: list[Prompt], params: list[SamplingParams], outputs: asyncio.Queue
+    ) -> list[str]:
+        """Queue one engine request per (prompt, params); prompt i's outputs arrive on
+        `outputs` as (i, RequestOutput). All or none are added: ValueError on bad input."""
+        return await self._call(lambda: self._add_all(prompts, params, outputs))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort these requests (finished ones are skipped) and free their KV blocks; returns
+        at once, so it is safe where awaiting is not (a closing generator)."""
+        self._commands.put(lambda: self._abort_all(request_ids))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as error:  # handed to the caller, which decides
+                future.set_exception(error)
+
+        self._commands.put(command)
+        return await asyncio.wrap_future(future)
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
+                 outputs: asyncio.Queue) -> list[str]:
+        token_ids = [self._tokenize(p) for p in prompts]
+        ids: list[str] = []
+        try:
+            for index, (tokens, p) in enumerate(zip(token_ids, params, strict=True)):
+                ids.append(self.engine.add_request(tokens, p))
+                self._routes[ids[-1]] = _Route(outputs, index)
+        except ValueError:
+            self._abort_all(ids)
+            raise
+        self.snapshot.num_requests += len(ids)
+        self.snapshot.num_prompt_tokens += sum(len(t) for t in token_ids)
+        return ids
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return self.engine.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self._apply_chat_template(prompt)
+        return list(prompt)
+
+    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if self._routes.pop(request_id, None) is not None:
+                self.engine.abort_request(request_id)
+        self._refresh_snapshot()
+
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished_requests()
+            if not self._run_commands(block):
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+        self._abort_all(list(self._routes))
+        logger.info("engine loop stopped")
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run the queued commands (waiting for one if `block`); False once told to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while command is not None:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            logger.exception("engine step failed; failing every request in flight")
+            self._fail_all(error)
+            return
+        for output in outputs:
+            self.snapshot.num_generation_tokens += 1
+            route = self._routes.get(output.request_id)
+            if route is None:
+                continue
+            if output.finished:
+                del self._routes[output.request_id]
+                finished = self.snapshot.finished
+                finished[output.finish_reason] = finished.get(output.finish_reason, 0) + 1
+            self._deliver(route, (route.index, output))
+        self._refresh_snapshot()
+
+    def _fail_all(self, error: Exception) -> None:
+        routes, self._routes = self._routes, {}
+        for request_id, route in routes.items():
+            self.engine.abort_request(request_id)
+            self._deliver(route, (route.index, error))
+        self._refresh_snapshot()
+
+    def _deliver(self, route: _Route, item: tuple[int, RequestOutput | Exception]) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(route.outputs.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _refresh_snapshot(self) -> None:
+        scheduler = self.engine.scheduler
+        blocks = scheduler.block_manager
+        snap = self.snapshot
+        snap.num_running = len(scheduler.running)
+        snap.num_waiting = len(scheduler.waiting)
+        snap.kv_cache_usage = 1 - blocks.num_free_blocks / len(blocks.blocks)
+        snap.forwards = dict(self.engine.runner.forward_counts)

@@ -1,0 +1,214 @@
+"""`bcg serve` on 127.0.0.1 with the built-in SmolLM2, driven by the official openai client."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from bcg.engine.sampling_params import SamplingParams
+from tests.builtin_model import require_builtin_model
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+STARTUP_SECONDS = 120
+PROMPT = "The days of the week are Monday,"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    require_builtin_model()
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bcg.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
+         "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_healthy(base, process)
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert code == 0, f"the server exited with {code} on SIGTERM"
+
+
+def _wait_until_healthy(base: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited at start-up:\n{process.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    pytest.fail(f"the server was not healthy within {STARTUP_SECONDS} s")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    """'bcg_name' -> value, for the metrics without extra labels."""
+    values = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("bcg_") and "," not in line:
+            name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
+            values[name] = float(value)
+    return values
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_completion_and_chat(client):
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                           temperature=0)
+    assert completion.choices[0].text and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16,
+                                          temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_streamed_text_equals_the_full_response(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+    full_chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16,
+                                               temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16,
+                                            temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == full_chat.choices[0].message.content
+
+
+def test_n_choices_and_seeds(client):
+    def sample(seed):
+        response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3,
+                                             temperature=1.0, top_p=0.95, seed=seed,
+                                             extra_body={"top_k": 50})
+        return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+    first = sample(7)
+    assert len(first) == 3
+    assert sample(7) == first
+    assert sample(8) != first
+
+
+def test_stop_string_cuts_the_text(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    stop = text[10:14]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    stop=[stop, "never-appears"])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_equal_offline_generate(client):
+    from bcg.engine.llm import LLM
+
+    prompts = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(32)]
+
+    def complete(prompt):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                             temperature=0)
+        return response.choices[0].text
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        texts = list(pool.map(complete, prompts, timeout=120))
+    llm = LLM(device="cpu", max_model_len=MAX_MODEL_LEN)
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6),
+                            use_tqdm=False)
+    assert texts == [o.text for o in expected]
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/completions", '{"model": "x", "prompt": ', 400, "JSON"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("mistyped max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                "max_tokens": "ten"}, 400, "max_tokens"),
+    ("mistyped messages", "/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400,
+     "messages"),
+    ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                 "temperature": -1}, 400, "temperature"),
+    ("top_p out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 2.0},
+     400, "top_p"),
+    ("zero max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0},
+     400, "max_tokens"),
+    ("n of zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello " * 600}, 400,
+     "max_model_len"),
+    ("token id out of vocabulary", "/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400,
+     "vocabulary"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "gpt-9"),
+    ("unknown route", "/v1/nothing-here", {"model": MODEL}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,message", BAD_REQUESTS,
+                         ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, client, name, path, body,
+                                                              status, message):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{server}{path}", content=content, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert ok.choices[0].text
+
+
+def test_a_client_that_disconnects_frees_its_kv_blocks(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert _metrics(server)["bcg_kv_cache_usage"] > 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = _metrics(server)
+        if metrics["bcg_kv_cache_usage"] == 0 and metrics["bcg_num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the KV cache was not freed after the client left: {metrics}")
+    assert _metrics(server)["bcg_generation_tokens_total"] > 0
