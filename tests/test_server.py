@@ -129,6 +129,17 @@ def test_n_choices_and_seeds(client):
     assert sample(8) != first
 
 
+def test_a_batch_of_prompts_gets_n_choices_each(client):
+    prompts = [PROMPT, "The capital of France is"]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2,
+                                      temperature=0)
+    texts = [c.text for c in sorted(batch.choices, key=lambda c: c.index)]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+               .choices[0].text for p in prompts]
+    assert texts == [singles[0], singles[0], singles[1], singles[1]]
+    assert batch.usage.completion_tokens == 24
+
+
 def test_stop_string_cuts_the_text(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     text = full.choices[0].text

@@ -51,6 +51,7 @@ def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
         engine_loop.stop()
 
     app = FastAPI(title="bcg", lifespan=lifespan)
+    app.state.engine_loop = engine_loop
     _add_error_handlers(app)
     server = _Server(engine_loop, model_name, engine.max_model_len)
 

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bcg.engine.llm_engine import LLMEngine
@@ -45,6 +45,7 @@ class EngineSnapshot:
 class _Route:
     outputs: asyncio.Queue
     index: int  # which choice of its HTTP request
+    last: RequestOutput  # the latest output, to end it with on shutdown
 
 
 class EngineLoop:
@@ -59,6 +60,11 @@ class EngineLoop:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()
+
+    def end_all(self) -> None:
+        """Abort every request in flight, each ending with finish_reason 'abort' so its
+        client gets a complete response (used on shutdown); returns at once."""
+        self._commands.put(self._end_all)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is still running and join the engine thread."""
@@ -96,7 +102,7 @@ class EngineLoop:
         try:
             for index, (tokens, p) in enumerate(zip(token_ids, params, strict=True)):
                 ids.append(self.engine.add_request(tokens, p))
-                self._routes[ids[-1]] = _Route(outputs, index)
+                self._routes[ids[-1]] = _Route(outputs, index, _no_output_yet(ids[-1], tokens))
         except ValueError:
             self._abort_all(ids)
             raise
@@ -162,11 +168,20 @@ class EngineLoop:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue
+            route.last = output
             if output.finished:
                 del self._routes[output.request_id]
                 finished = self.snapshot.finished
                 finished[output.finish_reason] = finished.get(output.finish_reason, 0) + 1
             self._deliver(route, (route.index, output))
+        self._refresh_snapshot()
+
+    def _end_all(self) -> None:
+        routes, self._routes = self._routes, {}
+        for request_id, route in routes.items():
+            self.engine.abort_request(request_id)
+            self._deliver(route, (route.index, replace(route.last, finished=True,
+                                                       finish_reason="abort")))
         self._refresh_snapshot()
 
     def _fail_all(self, error: Exception) -> None:
@@ -191,3 +206,9 @@ class EngineLoop:
         snap.num_waiting = len(scheduler.waiting)
         snap.kv_cache_usage = 1 - blocks.num_free_blocks / len(blocks.blocks)
         snap.forwards = dict(self.engine.runner.forward_counts)
+
+
+def _no_output_yet(request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_token_ids,
+                         text="", token_ids=[], finished=False, finish_reason=None,
+                         num_cached_tokens=0)

@@ -39,6 +39,7 @@ class SamplingFields(StrictModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # not OpenAI's: keep generating past EOS (benchmarks)
 
     def sampling_params(self, choice_index: int, default_max_tokens: int) -> SamplingParams:
         """The params of one of the `n` choices; with a seed, choice i uses seed + i so the
@@ -47,7 +48,7 @@ class SamplingFields(StrictModel):
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            stop=self.stop or [], seed=seed,
+            stop=self.stop or [], seed=seed, ignore_eos=self.ignore_eos,
         )
 
     @property

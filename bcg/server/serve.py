@@ -1,8 +1,8 @@
 """Start the engine and run the app under uvicorn until SIGINT/SIGTERM.
 
-On a signal uvicorn stops accepting connections, lets in-flight requests finish for up to
-`GRACEFUL_SHUTDOWN_SECONDS`, then the app's shutdown aborts whatever is left and stops the
-engine thread.
+On a signal uvicorn stops accepting connections and in-flight requests may finish for
+`GRACEFUL_SHUTDOWN_SECONDS`; then whatever is left is aborted (its clients get complete
+responses with finish_reason 'stop'), the engine thread stops and the process exits 0.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import threading
 
 from bcg.config import EngineConfig
 from bcg.loader.builtin import BUILTIN_NAME
@@ -32,16 +33,25 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
     model_name = served_model_name or config.model or BUILTIN_NAME
     app = create_app(engine, model_name)
     logger.warning("serving %s on http://%s:%d/v1", model_name, host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    _server_exiting_cleanly(uvicorn.Server)(config).run()
+    server_config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                   timeout_graceful_shutdown=2 * GRACEFUL_SHUTDOWN_SECONDS)
+    _server_exiting_cleanly(uvicorn.Server)(server_config).run()
 
 
 def _server_exiting_cleanly(server_class: type) -> type:
-    """uvicorn's Server, except that after a graceful shutdown on SIGINT/SIGTERM the process
-    exits with status 0 (uvicorn re-raises the signal, which kills the process with it)."""
+    """uvicorn's Server, except that a SIGINT/SIGTERM aborts the requests still running
+    after the grace period, and the process then exits 0 (uvicorn would re-raise the signal
+    and die of it)."""
 
     class Server(server_class):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                end_all = self.config.app.state.engine_loop.end_all
+                timer = threading.Timer(GRACEFUL_SHUTDOWN_SECONDS, end_all)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             signals = (signal.SIGINT, signal.SIGTERM)
