@@ -129,12 +129,12 @@ class _Run:
         self.created = now()
         self.final: dict[int, RequestOutput] = {}
 
-    async def results(self, request: Request | None = None) -> AsyncIterator[
-            tuple[int, RequestOutput]]:
-        """(choice index, output) until every choice finished; with `request`, stop with
-        ConnectionError when its client disconnects."""
+    async def results(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) until every choice finished."""
         while len(self.final) < len(self.request_ids):
-            index, output = await self._next(request)
+            index, output = await self.outputs.get()
+            if isinstance(output, ConnectionError):
+                raise output
             if isinstance(output, Exception):
                 raise ApiError(f"the engine failed: {output}", status=500)
             if output.finished:
@@ -142,12 +142,20 @@ class _Run:
             yield index, output
 
     async def collect(self, request: Request) -> dict[int, RequestOutput]:
+        """Every choice's final output; a client that disconnects first aborts them."""
+        watcher = asyncio.create_task(self._abort_on_disconnect(request))
         try:
-            async for _ in self.results(request):
+            async for _ in self.results():
                 pass
         finally:
+            watcher.cancel()
             self.engine_loop.abort(self.request_ids)
         return self.final
+
+    async def _abort_on_disconnect(self, request: Request) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        self.outputs.put_nowait((-1, ConnectionError("the client disconnected")))
 
     async def stream(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         try:
@@ -168,14 +176,6 @@ class _Run:
 
     def header(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
-
-    async def _next(self, request: Request | None):
-        while True:
-            try:
-                return await asyncio.wait_for(self.outputs.get(), DISCONNECT_POLL_SECONDS)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise ConnectionError("the client disconnected") from None
 
 
 class _CompletionFormat:
@@ -268,6 +268,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ConnectionError)
     async def client_gone(_: Request, error: ConnectionError) -> JSONResponse:
         return JSONResponse(error_body(str(error), 400), 400)  # nobody reads it
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {error!r}", 500), 500)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:

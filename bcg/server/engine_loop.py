@@ -130,6 +130,7 @@ class EngineLoop:
         for request_id in request_ids:
             if self._routes.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)
+                self._count_finished("abort")
         self._refresh_snapshot()
 
     def _run(self) -> None:
@@ -171,15 +172,18 @@ class EngineLoop:
             route.last = output
             if output.finished:
                 del self._routes[output.request_id]
-                finished = self.snapshot.finished
-                finished[output.finish_reason] = finished.get(output.finish_reason, 0) + 1
+                self._count_finished(output.finish_reason)
             self._deliver(route, (route.index, output))
         self._refresh_snapshot()
+
+    def _count_finished(self, reason: str) -> None:
+        self.snapshot.finished[reason] = self.snapshot.finished.get(reason, 0) + 1
 
     def _end_all(self) -> None:
         routes, self._routes = self._routes, {}
         for request_id, route in routes.items():
             self.engine.abort_request(request_id)
+            self._count_finished("abort")
             self._deliver(route, (route.index, replace(route.last, finished=True,
                                                        finish_reason="abort")))
         self._refresh_snapshot()
