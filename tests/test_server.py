@@ -84,6 +84,20 @@ def _metrics(base: str) -> dict[str, float]:
     return values
 
 
+def test_serve_has_every_engine_flag(capsys):
+    import dataclasses
+
+    from bcg.cli import build_parser
+    from bcg.config import EngineConfig
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ["--host", "--port"] + ["--" + f.name.replace("_", "-")
+                                        for f in dataclasses.fields(EngineConfig)]:
+        assert flag in help_text
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
@@ -187,6 +201,8 @@ BAD_REQUESTS = [
      "max_model_len"),
     ("token id out of vocabulary", "/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400,
      "vocabulary"),
+    ("unknown role", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "gpt-9"),
     ("unknown route", "/v1/nothing-here", {"model": MODEL}, 404, "Not Found"),
 ]

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jinja2
+
 from bcg.engine.llm_engine import LLMEngine
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
@@ -123,7 +125,11 @@ class EngineLoop:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the model's chat template rejected the messages: {error}") from error
         return tokenizer.encode(text, add_special_tokens=False)
 
     def _abort_all(self, request_ids: list[str]) -> None:
