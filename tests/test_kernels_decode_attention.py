@@ -7,6 +7,7 @@ import torch
 
 from tests.test_kernels_support import (
     DEVICE,
+    HEAD_SHAPES,
     ON_GPU,
     POISON,
     TOLERANCE,
@@ -19,8 +20,6 @@ from tests.test_kernels_support import (
 
 decode = import_kernels("decode_attention")
 
-# (num_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3, MQA, Qwen3-8B-like.
-HEAD_SHAPES = [(4, 4, 64, 16), (8, 2, 128, 16), (12, 4, 64, 8), (8, 1, 128, 32), (32, 8, 128, 16)]
 MAX_LEN = 3000 if ON_GPU else 70
 MAX_BATCH = 24 if ON_GPU else 5
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.test_kernels_support import (
+    HEAD_SHAPES,
     ON_GPU,
     POISON,
     TOLERANCE,
@@ -18,8 +19,6 @@ from tests.test_kernels_support import (
 
 extend = import_kernels("extend_attention")
 
-# (num_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3, MQA, Qwen3-8B-like.
-HEAD_SHAPES = [(4, 4, 64, 16), (8, 2, 128, 16), (12, 4, 64, 8), (8, 1, 128, 32), (32, 8, 128, 16)]
 MAX_NEW = 700 if ON_GPU else 40
 MAX_PREFIX = 2000 if ON_GPU else 50
 MAX_SEQS = 8 if ON_GPU else 4

@@ -24,6 +24,8 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 # bf16 inputs against an fp32 reference; fp32 interpreter runs are far tighter.
 TOLERANCE = 1e-2 if ON_GPU else 1e-4
 POISON = 1234.5
+# (num_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3, MQA, Qwen3-8B-like.
+HEAD_SHAPES = [(4, 4, 64, 16), (8, 2, 128, 16), (12, 4, 64, 8), (8, 1, 128, 32), (32, 8, 128, 16)]
 
 
 def _version(text: str) -> tuple[int, ...]:
