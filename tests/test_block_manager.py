@@ -79,7 +79,7 @@ def test_freed_blocks_stay_cached_until_reused():
     first = seq(list(range(9)), "a")
     compute(manager, first, 9)
     manager.free(first)
-    assert manager.num_free_blocks == 4 and first.block_table == []
+    assert manager.num_free_blocks == 4 and len(first.block_table) == 0
     hit = seq(list(range(9)), "b")
     assert admit(manager, hit) == 8
     assert manager.num_free_blocks == 2

@@ -8,6 +8,7 @@ needed and they are the least recently freed (LRU eviction).
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 from bcg.engine.sequence import Sequence
@@ -64,12 +65,14 @@ class BlockManager:
         """Register the blocks of `seq` that are now full and computed, for later sharing."""
         if not self.enable_prefix_caching:
             return
+        num_full = seq.num_computed_tokens // self.block_size
         self._hash_full_blocks(seq, seq.num_computed_tokens)
-        for i in range(seq.num_computed_tokens // self.block_size):
+        for i in range(seq.num_offered_blocks, num_full):  # each block once: steps stay O(1)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and seq.block_hashes[i] not in self.cached_blocks:
                 block.hash, block.token_ids = seq.block_hashes[i], self._block_tokens(seq, i)
                 self.cached_blocks[block.hash] = block.block_id
+        seq.num_offered_blocks = max(seq.num_offered_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Release the blocks of `seq`; its last blocks become the first to be evicted."""
@@ -79,7 +82,8 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
-        seq.block_table = []
+        seq.block_table = array("i")
+        seq.num_offered_blocks = 0
 
     def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Extend `seq.block_hashes` over the full blocks among its first `num_tokens` tokens."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from enum import Enum, auto
 
 import torch
@@ -25,6 +26,7 @@ class Sequence:
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # kept apart: outputs hand it out each step
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.generator = generator
@@ -32,16 +34,14 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache on admission
-        self.block_table: list[int] = []
+        # An int32 array: the runner copies every table into one buffer each step.
+        self.block_table = array("i")
         self.block_hashes: list[int] = []  # hash of each full block of token_ids, in order
+        self.num_offered_blocks = 0  # leading blocks already offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -14,9 +14,10 @@ import torch
 
 @dataclass
 class SamplingBatch:
-    temperatures: torch.Tensor  # float32 [S]; 0 = greedy
-    top_k: torch.Tensor  # int64 [S]; vocabulary size = off
-    top_p: torch.Tensor  # float32 [S]; 1.0 = off
+    # Per-row tensors; None when every row is greedy (they are never read then).
+    temperatures: torch.Tensor | None  # float32 [S]; 0 = greedy
+    top_k: torch.Tensor | None  # int64 [S]; vocabulary size = off
+    top_p: torch.Tensor | None  # float32 [S]; 1.0 = off
     generators: list[torch.Generator | None]  # per row; None = the global generator
     all_greedy: bool
     any_top_k_top_p: bool

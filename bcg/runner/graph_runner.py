@@ -47,6 +47,17 @@ MakeContext = Callable[[ForwardBatch], ForwardContext]
 WARMUPS_PER_SIZE = 2
 
 
+@dataclass(frozen=True)
+class StackSpec:
+    """What a runner captures: the stack, how to build its forward context, its output."""
+
+    stack: Stack
+    make_context: MakeContext
+    device: torch.device
+    hidden_size: int
+    dtype: torch.dtype
+
+
 @dataclass
 class CapturedStack:
     graph: Any  # torch.cuda.CUDAGraph or BreakableCUDAGraph
@@ -65,20 +76,11 @@ class GraphRunner:
 
     kind = "graph"
 
-    def __init__(
-        self,
-        stack: Stack,
-        mode: str,
-        buckets: list[int],
-        make_context: MakeContext,
-        device: torch.device,
-        pool: Any = None,
-    ) -> None:
-        self.stack = stack
+    def __init__(self, spec: StackSpec, mode: str, buckets: list[int], pool: Any = None) -> None:
+        self.stack, self.make_context = spec.stack, spec.make_context
+        self.device, self.hidden_size, self.dtype = spec.device, spec.hidden_size, spec.dtype
         self.mode = mode
         self.buckets = sorted(set(buckets))
-        self.make_context = make_context
-        self.device = device
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.graphs: dict[int, CapturedStack] = {}
         self.capture_seconds = 0.0
@@ -213,22 +215,17 @@ class DecodeGraphRunner(GraphRunner):
 
     def __init__(
         self,
-        stack: Stack,
+        spec: StackSpec,
         mode: str,
         buckets: list[int],
-        make_context: MakeContext,
-        device: torch.device,
-        hidden_size: int,
-        dtype: torch.dtype,
         max_blocks_per_seq: int,
         max_seq_len: int,
         pool: Any = None,
     ) -> None:
-        super().__init__(stack, mode, buckets, make_context, device, pool)
-        self.hidden_size, self.dtype = hidden_size, dtype
+        super().__init__(spec, mode, buckets, pool)
         self.max_blocks_per_seq, self.max_seq_len = max_blocks_per_seq, max_seq_len
-        self.registry = build_decode_registry(device, self.max_size, max_blocks_per_seq)
-        self._empty = empty_batch(device, max_blocks_per_seq)
+        self.registry = build_decode_registry(self.device, self.max_size, max_blocks_per_seq)
+        self._empty = empty_batch(self.device, max_blocks_per_seq)
 
     def size_of(self, batch: ForwardBatch) -> int | None:
         fits = batch.is_decode and batch.block_tables.shape[1] <= self.max_blocks_per_seq
@@ -265,20 +262,11 @@ class PrefillGraphRunner(GraphRunner):
     kind = "prefill"
 
     def __init__(
-        self,
-        stack: Stack,
-        mode: str,
-        buckets: list[int],
-        make_context: MakeContext,
-        device: torch.device,
-        hidden_size: int,
-        dtype: torch.dtype,
-        block_size: int,
-        pool: Any = None,
+        self, spec: StackSpec, mode: str, buckets: list[int], block_size: int, pool: Any = None
     ) -> None:
-        super().__init__(stack, mode, buckets, make_context, device, pool)
-        self.hidden_size, self.dtype, self.block_size = hidden_size, dtype, block_size
-        self.registry = build_prefill_registry(device, self.max_size)
+        super().__init__(spec, mode, buckets, pool)
+        self.block_size = block_size
+        self.registry = build_prefill_registry(self.device, self.max_size)
 
     def size_of(self, batch: ForwardBatch) -> int | None:
         return batch.num_tokens

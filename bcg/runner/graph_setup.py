@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -9,7 +10,7 @@ import torch
 
 from bcg.config import EngineConfig, parse_sizes
 from bcg.runner.buckets import DECODE_BATCH_SIZES, PREFILL_TOKENS, ladder
-from bcg.runner.graph_runner import DecodeGraphRunner, PrefillGraphRunner
+from bcg.runner.graph_runner import DecodeGraphRunner, PrefillGraphRunner, StackSpec
 
 if TYPE_CHECKING:
     from bcg.runner.model_runner import ModelRunner
@@ -34,24 +35,21 @@ def build_graph_runners(
 ) -> tuple[DecodeGraphRunner | None, PrefillGraphRunner | None]:
     """The decode and prefill graph runners the config asks for (not captured yet)."""
     decode_mode, prefill_mode = graph_modes(config, runner.device)
-    model_config = runner.model_config
-    common = dict(make_context=runner.forward_context, device=runner.device,
-                  hidden_size=model_config.hidden_size, dtype=runner.dtype)
+    spec = StackSpec(runner.model, runner.forward_context, runner.device,
+                     runner.model_config.hidden_size, runner.dtype)
     decode = prefill = None
     if decode_mode != "none":
         buckets = ladder(parse_sizes(config.decode_graph_bs), DECODE_BATCH_SIZES,
                          config.max_num_seqs)
         decode = DecodeGraphRunner(
-            runner.model, decode_mode, buckets, **common,
+            spec, decode_mode, buckets,
             max_blocks_per_seq=-(-max_model_len // config.block_size),
             max_seq_len=max_model_len,
         )
     if prefill_mode != "none":
         buckets = ladder(parse_sizes(config.prefill_graph_tokens), PREFILL_TOKENS,
                          config.max_num_batched_tokens)
-        stack = runner.model
         if prefill_mode == "piecewise":
-            stack = torch.compile(runner.model, dynamic=True)
-        prefill = PrefillGraphRunner(stack, prefill_mode, buckets, **common,
-                                     block_size=config.block_size)
+            spec = dataclasses.replace(spec, stack=torch.compile(runner.model, dynamic=True))
+        prefill = PrefillGraphRunner(spec, prefill_mode, buckets, block_size=config.block_size)
     return decode, prefill
