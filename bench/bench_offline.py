@@ -6,7 +6,7 @@ Face transformers `generate` on the same architecture as the outside peer.
 prompt + generated tokens over the wall time of the whole run; start-up is the engine's
 construction (weights, graph capture, KV cache). Transformers runs the requests in batches
 of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
-request asked for are counted). Run: python bench/bench_offline.py [--models qwen3-0.6b]
+request asked for are counted). Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ MODES = {
     "decode + breakable": {"decode_graph": "full", "prefill_graph": "breakable"},
     "decode + piecewise": {"decode_graph": "full", "prefill_graph": "piecewise"},
 }
+HF_MODE = "transformers generate"
 
 
 def workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -98,14 +99,16 @@ def run_transformers(model: str, requests, batch_size: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
-    parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
+    parser.add_argument("--modes", nargs="+", default=[*MODES, HF_MODE],
+                        choices=[*MODES, HF_MODE], help="what to run (default: all)")
+    parser.add_argument("--hf-batch", type=int, default=128, help="transformers batch size")
     args = parser.parse_args()
     require_cuda("bench_offline")
     rows = []
     for model in args.models:
         requests = workload(PRESETS[model]["vocab_size"])
         prompt_tokens = sum(len(p) for p, _ in requests)
-        for mode in [*MODES, "transformers generate"]:
+        for mode in args.modes:
             if mode in MODES:
                 r = run_bcg(model, mode, requests)
             else:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite and the benchmarks, for the device machine (see README "GPU checks").
-# Usage: scripts/gpu_check.sh [step ...]   steps: tests bench_graph bench_buffers ... (default: all)
+# Usage: scripts/gpu_check.sh [step ...]   steps: tests bench_graph bench_buffers ... (default: all);
+# a quoted step may carry arguments: scripts/gpu_check.sh "bench_offline --models qwen3-0.6b"
 # Wheels missing on that machine travel in .whl/ (carry it) and are installed to /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +28,15 @@ for step in "${steps[@]}"; do
     done
     grep -hE "^(FAILED|ERROR)" "$log_dir/tests.log" | head -20
   else
-    python3 "bench/$step.py" 2>&1 | tee "$log_dir/$step.log"
-    status=$?
-    cp -f "bench/results/$step.json" "$log_dir/" 2>/dev/null
-    summary+=("$step: exit $status, $(ls "bench/results/$step.json" 2>/dev/null || echo 'no json')")
+    # A step may carry arguments: "bench_offline --models qwen3-0.6b".
+    name="${step%% *}"
+    args=()
+    [ "$name" != "$step" ] && read -ra args <<<"${step#* }"
+    python3 "bench/$name.py" "${args[@]}" 2>&1 | tee "$log_dir/$name.log"
+    status=${PIPESTATUS[0]}
+    json=$(ls -t bench/results/"$name"*.json 2>/dev/null | head -n 1)
+    [ -n "$json" ] && cp -f "$json" "$log_dir/"
+    summary+=("$step: exit $status, ${json:-no json}")
   fi
 done
 echo
