@@ -107,6 +107,24 @@ def test_rotary_matches_layer(head_shape: tuple, scaling: dict | None) -> None:
     assert rel_err(k, expected_k) <= TOLERANCE
 
 
+@pytest.mark.parametrize("head_shape", [(8, 2, 128), (12, 4, 64)], ids=str)
+def test_rotary_with_qk_norm_matches_layers(head_shape: tuple) -> None:
+    num_heads, num_kv_heads, head_dim = head_shape
+    num_tokens, max_position = NUM_TOKENS[-1], 4096
+    layer = RotaryEmbedding(head_dim, max_position, 1000000.0).to(DEVICE)
+    q_norm, k_norm = (RMSNorm(head_dim, 1e-6).to(DEVICE, DTYPE) for _ in range(2))
+    generator = torch.Generator().manual_seed(1)
+    for norm in (q_norm, k_norm):
+        norm.weight.copy_(torch.rand(head_dim, generator=generator) + 0.5)
+    q, k, _ = fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, seed=head_dim)
+    positions = torch.randint(0, max_position, (num_tokens,), generator=generator).to(DEVICE)
+    expected_q, expected_k = layer(positions, q_norm(q).float(), k_norm(k).float())
+    weights = (q_norm.weight, k_norm.weight)
+    rotary.apply_rotary(q, k, positions, layer.cos, layer.sin, weights, q_norm.eps)
+    assert rel_err(q, expected_q) <= TOLERANCE
+    assert rel_err(k, expected_k) <= TOLERANCE
+
+
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("intermediate", [64, 1000, 3072])
 def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:

@@ -3,6 +3,10 @@
 The cos/sin tables are the caller's: ``bcg.layers.rotary.RotaryEmbedding`` builds them
 (``.cos`` and ``.sin``, fp32 ``[max_position, head_dim // 2]``) with any Llama-3 frequency
 scaling already applied, so the kernel only looks them up by position.
+
+Qwen3 normalises each q and k head (RMSNorm over ``head_dim``) right before rotating it; given
+``norm_weights`` the kernel does both in one pass, rounding exactly as the two
+separate layers do.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def apply_rotary(
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 0.0,
 ) -> None:
     """Rotate ``q`` and ``k`` in place by their tokens' positions.
 
@@ -33,6 +39,8 @@ def apply_rotary(
         k: ``[num_tokens, num_kv_heads, head_dim]``, same.
         positions: int64 ``[num_tokens]``, each ``< max_position``.
         cos, sin: fp32 ``[max_position, head_dim // 2]``, last dim contiguous.
+        norm_weights: ``(q_weight, k_weight)``, each ``[head_dim]``: RMS-normalise every head
+            first (``weight * x / rms(x)``, with ``eps``), as ``RMSNorm`` would.
 
     The rotation is computed in fp32 and rounded once. One launch, no host synchronisation.
     """
@@ -47,15 +55,20 @@ def apply_rotary(
         raise ValueError("cos and sin must have the same shape and strides")
     if half & (half - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    for name, tensor in (("q", q), ("k", k), ("cos", cos)):
+    q_weight, k_weight = norm_weights if norm_weights is not None else (cos, cos)
+    if norm_weights is not None and (q_weight.shape, k_weight.shape) != ((head_dim,),) * 2:
+        raise ValueError(f"norm weights must be [head_dim={head_dim}], got "
+                         f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
+    for name, tensor in (("q", q), ("k", k), ("cos", cos), ("q_weight", q_weight)):
         require_last_dim_contiguous(name, tensor)
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
     _launch_rotary(
         (num_tokens,),
-        (q, k, positions, cos, sin),
-        (),
+        # Without norms the kernel never reads the weight pointers; cos stands in for them.
+        (q, k, positions, cos, sin, q_weight, k_weight),
+        (float(eps),),
         {
             "STRIDE_Q_TOK": q.stride(0),
             "STRIDE_Q_HEAD": q.stride(1),
@@ -67,22 +80,38 @@ def apply_rotary(
             "Q_HEADS_PAD": next_power_of_2(num_heads),
             "KV_HEADS_PAD": next_power_of_2(num_kv_heads),
             "HALF": half,
+            "HAS_NORM": norm_weights is not None,
         },
     )
 
 
 @triton.jit
+def _rms_normed(x1, x2, weight_ptr, eps, dims, x_dtype, HALF: tl.constexpr):
+    """Both halves of each row (head) normalised over the whole head and scaled, rounded to
+    ``x_dtype`` after normalising and after scaling, as ``RMSNorm`` does."""
+    inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(weight_ptr + dims).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)[None, :]
+    x1 = (x1 * inv_rms).to(x_dtype).to(tl.float32) * w1
+    x2 = (x2 * inv_rms).to(x_dtype).to(tl.float32) * w2
+    return x1.to(x_dtype).to(tl.float32), x2.to(x_dtype).to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(
-    x_ptr, stride_head, cos, sin,
-    NUM: tl.constexpr, NUM_PAD: tl.constexpr, HALF: tl.constexpr,
+    x_ptr, stride_head, cos, sin, weight_ptr, eps,
+    NUM: tl.constexpr, NUM_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Rotate the ``NUM`` heads at ``x_ptr`` (one token) in place."""
+    """Rotate (after normalising, with ``HAS_NORM``) the ``NUM`` heads at ``x_ptr`` (one
+    token) in place."""
     heads = tl.arange(0, NUM_PAD)
     dims = tl.arange(0, HALF)
     mask = (heads < NUM)[:, None]
     first_ptrs = x_ptr + heads[:, None] * stride_head + dims[None, :]
-    x1 = tl.load(first_ptrs, mask=mask).to(tl.float32)
-    x2 = tl.load(first_ptrs + HALF, mask=mask).to(tl.float32)
+    x1 = tl.load(first_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        x1, x2 = _rms_normed(x1, x2, weight_ptr, eps, dims, x_ptr.dtype.element_ty, HALF)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(first_ptrs, out1.to(x_ptr.dtype.element_ty), mask=mask)
@@ -91,7 +120,7 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, eps,
     STRIDE_Q_TOK: tl.constexpr,
     STRIDE_Q_HEAD: tl.constexpr,
     STRIDE_K_TOK: tl.constexpr,
@@ -102,6 +131,7 @@ def _rotary_kernel(
     Q_HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
@@ -109,10 +139,12 @@ def _rotary_kernel(
     cos = tl.load(cos_ptr + position * STRIDE_TABLE + dims)
     sin = tl.load(sin_ptr + position * STRIDE_TABLE + dims)
     _rotate_heads(
-        q_ptr + token * STRIDE_Q_TOK, STRIDE_Q_HEAD, cos, sin, NUM_HEADS, Q_HEADS_PAD, HALF
+        q_ptr + token * STRIDE_Q_TOK, STRIDE_Q_HEAD, cos, sin, q_weight_ptr, eps,
+        NUM_HEADS, Q_HEADS_PAD, HALF, HAS_NORM,
     )
     _rotate_heads(
-        k_ptr + token * STRIDE_K_TOK, STRIDE_K_HEAD, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF
+        k_ptr + token * STRIDE_K_TOK, STRIDE_K_HEAD, cos, sin, k_weight_ptr, eps,
+        NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM,
     )
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from bcg.layers.fused import use_fused_kernels
+from bcg.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -26,15 +27,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q `[T, H, D]` and k `[T, KVH, D]` by their token positions `[T]` (in place
-        with the fused kernel)."""
+        """Rotate q `[T, H, D]` and k `[T, KVH, D]` by their token positions `[T]`, after
+        normalising each head with `norms` (q's, k's) if given. In place with the fused
+        kernel, which does both in one launch."""
         if use_fused_kernels(q):
             from bcg.kernels.rotary import apply_rotary
 
-            apply_rotary(q, k, positions, self.cos, self.sin)
+            weights = None if norms is None else (norms[0].weight, norms[1].weight)
+            eps = 0.0 if norms is None else norms[0].eps
+            apply_rotary(q, k, positions, self.cos, self.sin, weights, eps)
             return q, k
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -34,6 +34,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, [config.hidden_size], bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.qk_norms = (self.q_norm, self.k_norm) if qk_norm else None
         self.rotary = rotary
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
@@ -42,9 +43,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.qk_norms)  # qk norm fused into rotary
         out = self.attn(q, k, v)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
