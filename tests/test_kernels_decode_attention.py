@@ -94,6 +94,29 @@ def test_mismatched_plan_is_refused() -> None:
         run_decode(batch, plan=plan)
 
 
+def strided_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the last two dimensions' strides swapped."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("argument,bad_value,message", [
+    ("q", lambda b: strided_last_dim(b.q), "q must have a contiguous last dimension"),
+    ("q", lambda b: b.q[..., :32], "does not fit the cache"),
+    ("v_cache", lambda b: b.v_cache[1:], "same shape and strides"),
+    ("out", lambda b: strided_last_dim(torch.empty_like(b.q)), "out needs a contiguous"),
+], ids=["q strides", "q head_dim", "v_cache shape", "out strides"])
+def test_bad_arguments_are_refused(argument: str, bad_value, message: str) -> None:
+    """The checks decode and extend attention share (``paged_attention_layout``)."""
+    batch = decode_batch([4, 9], HEAD_SHAPES[1], torch.Generator().manual_seed(0))
+    args = {"q": batch.q, "k_cache": batch.k_cache, "v_cache": batch.v_cache, "out": None}
+    args[argument] = bad_value(batch)
+    with pytest.raises(ValueError, match=message):
+        decode.decode_attention(
+            args["q"], args["k_cache"], args["v_cache"], batch.seq_lens, batch.block_tables,
+            batch.scale, out=args["out"],
+        )
+
+
 @pytest.mark.gpu
 def test_graph_replay_with_new_lengths_and_tables() -> None:
     """Capture once, then replay with other lengths, tables, contents and padded rows."""

@@ -1,25 +1,28 @@
-"""What the decode and extend attention kernels share: cache validation and the inner loop."""
+"""What the decode and extend attention kernels share: argument checks and the inner loop."""
 
 import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import require_last_dim_contiguous
+from bcg.kernels._launch import last_dim_not_contiguous
 
 # Scores are kept in log2 units so the softmax can use exp2.
 LOG2_E = 1.4426950408889634
 
 
-def paged_cache_geometry(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[int, int, int]:
-    """Validate a paged KV cache against ``q``; returns (block_size, num_kv_heads, group).
+def paged_attention_layout(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None
+) -> tuple[torch.Tensor, int, int, int, dict[str, int]]:
+    """Validate what both attention kernels take; returns (out, block_size, num_kv_heads,
+    group, strides), ``out`` allocated like ``q`` if None.
 
-    ``q`` is ``[num_tokens, num_heads, head_dim]``; each cache is
+    ``q`` and ``out`` are ``[num_tokens, num_heads, head_dim]``; each cache is
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, both with the same strides.
+    ``strides`` are the ``STRIDE_*`` constexprs both kernels take first, in their order.
     Runs on every attention call, so each tensor's shape and strides are read once.
     """
-    q_shape, cache_shape, cache_strides = q.shape, k_cache.shape, k_cache.stride()
+    q_shape, q_strides = q.shape, q.stride()
+    cache_shape, cache_strides = k_cache.shape, k_cache.stride()
     if len(q_shape) != 3 or len(cache_shape) != 4:
         raise ValueError(
             f"expected q [tokens, heads, head_dim] and caches [blocks, block_size, kv_heads, "
@@ -36,11 +39,25 @@ def paged_cache_geometry(
         )
     if head_dim & (head_dim - 1) or block_size & (block_size - 1):
         raise ValueError(f"head_dim and block_size must be powers of two, got {cache_shape}")
-    require_last_dim_contiguous("q", q)
+    if q_strides[2] != 1:
+        raise last_dim_not_contiguous("q", q_strides)
     if cache_strides[3] != 1:
         raise ValueError("k_cache and v_cache need a contiguous last dimension")
-    return block_size, num_kv_heads, num_heads // num_kv_heads
-
+    if out is None:
+        out = torch.empty_like(q)
+    out_strides = out.stride()
+    if out_strides[2] != 1:
+        raise ValueError(f"out needs a contiguous last dimension, got strides {out_strides}")
+    strides = {
+        "STRIDE_Q_TOK": q_strides[0],
+        "STRIDE_Q_HEAD": q_strides[1],
+        "STRIDE_CACHE_BLOCK": cache_strides[0],
+        "STRIDE_CACHE_SLOT": cache_strides[1],
+        "STRIDE_CACHE_HEAD": cache_strides[2],
+        "STRIDE_OUT_TOK": out_strides[0],
+        "STRIDE_OUT_HEAD": out_strides[1],
+    }
+    return out, block_size, num_kv_heads, num_heads // num_kv_heads, strides
 
 
 @triton.jit

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import triton
@@ -32,13 +34,33 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+Config = TypeVar("Config")
+
+
+@dataclass(frozen=True)
+class DeviceConfigs(Generic[Config]):
+    """A kernel's launch config for CUDA (tuned on an H100: bench/bench_attention.py --tune)
+    and one with small tiles for the interpreter, so that CPU tests cover several tiles."""
+
+    gpu: Config
+    interpreter: Config
+
+    def for_device(self, on_cuda: bool) -> Config:
+        return self.gpu if on_cuda else self.interpreter
+
+
 def require_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
     """Kernels index the last dimension with unit stride; anything else is a caller bug."""
     if tensor.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must have a contiguous last dimension (stride 1), got strides "
-            f"{tuple(tensor.stride())}; pass {name}.contiguous()"
-        )
+        raise last_dim_not_contiguous(name, tensor.stride())
+
+
+def last_dim_not_contiguous(name: str, strides: tuple[int, ...]) -> ValueError:
+    """The error for a tensor whose last dimension has a stride other than 1."""
+    return ValueError(
+        f"{name} must have a contiguous last dimension (stride 1), got strides "
+        f"{strides}; pass {name}.contiguous()"
+    )
 
 
 class CachedLauncher:

@@ -16,10 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_cache_geometry
+from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_attention_layout
 from bcg.kernels._launch import (
     PROGRAMS_PER_SM,
     CachedLauncher,
+    DeviceConfigs,
     cdiv,
     multiprocessor_count,
     next_power_of_2,
@@ -41,10 +42,9 @@ class DecodeConfig:
     num_stages: int = 3
 
 
-# Tuned on an H100 (bench/bench_attention.py --tune); small tiles in the interpreter so that
-# tests cover several tiles per split.
-GPU_CONFIG = DecodeConfig()
-INTERPRETER_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1)
+CONFIGS = DeviceConfigs(
+    gpu=DecodeConfig(), interpreter=DecodeConfig(block_n=16, num_warps=1, num_stages=1)
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def plan_decode(
     ``config`` override the choice (tuning, tests).
     """
     device = torch.device(device)
-    config = config or (GPU_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
+    config = config or CONFIGS.for_device(device.type == "cuda")
     if num_splits is None:
         target_programs = PROGRAMS_PER_SM * multiprocessor_count(device)
         num_splits = cdiv(target_programs, batch_size * num_kv_heads)
@@ -120,13 +120,10 @@ def decode_attention(
 
     Returns ``out``. No host synchronisation: safe to capture in a CUDA graph.
     """
-    block_size, num_kv_heads, group = paged_cache_geometry(q, k_cache, v_cache)
+    out, block_size, num_kv_heads, group, strides = paged_attention_layout(
+        q, k_cache, v_cache, out
+    )
     batch, num_heads, head_dim = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    out_strides = out.stride()
-    if out_strides[2] != 1:
-        raise ValueError(f"out needs a contiguous last dimension, got strides {out_strides}")
     if plan is None:
         plan = plan_decode(batch, num_heads, num_kv_heads, head_dim, q.device)
     if plan.max_batch < batch or (plan.num_heads, plan.head_dim) != (num_heads, head_dim):
@@ -136,19 +133,12 @@ def decode_attention(
         )
     single_split = plan.num_splits == 1
     config = plan.config
-    q_strides, cache_strides = q.stride(), k_cache.stride()
     _launch_split(
         (batch, num_kv_heads, plan.num_splits),
         (q, k_cache, v_cache, seq_lens, block_tables, out, plan.partial_out, plan.partial_lse),
         (scale * LOG2_E, plan.num_splits, block_tables.stride(0)),
         {
-            "STRIDE_Q_TOK": q_strides[0],
-            "STRIDE_Q_HEAD": q_strides[1],
-            "STRIDE_CACHE_BLOCK": cache_strides[0],
-            "STRIDE_CACHE_SLOT": cache_strides[1],
-            "STRIDE_CACHE_HEAD": cache_strides[2],
-            "STRIDE_OUT_TOK": out_strides[0],
-            "STRIDE_OUT_HEAD": out_strides[1],
+            **strides,
             "NUM_HEADS": num_heads,
             "GROUP": group,
             "BLOCK_H": max(MIN_DOT_ROWS, next_power_of_2(group)),
@@ -166,8 +156,8 @@ def decode_attention(
             (plan.partial_out, plan.partial_lse, seq_lens, out),
             (plan.num_splits,),
             {
-                "STRIDE_OUT_TOK": out_strides[0],
-                "STRIDE_OUT_HEAD": out_strides[1],
+                "STRIDE_OUT_TOK": strides["STRIDE_OUT_TOK"],
+                "STRIDE_OUT_HEAD": strides["STRIDE_OUT_HEAD"],
                 "NUM_HEADS": num_heads,
                 "HEAD_DIM": head_dim,
                 "BLOCK_N": config.block_n,

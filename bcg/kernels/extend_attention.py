@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_cache_geometry
+from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_attention_layout
 from bcg.kernels._launch import (
     CachedLauncher,
+    DeviceConfigs,
     cdiv,
     next_power_of_2,
 )
@@ -40,10 +41,10 @@ class ExtendConfig:
     num_stages: int = 2
 
 
-# Tuned on an H100 (bench/bench_attention.py --tune); small tiles in the interpreter so that
-# tests cover several tiles per sequence.
-GPU_CONFIG = ExtendConfig()
-INTERPRETER_CONFIG = ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+CONFIGS = DeviceConfigs(
+    gpu=ExtendConfig(),
+    interpreter=ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
+)
 
 
 def extend_attention(
@@ -74,14 +75,11 @@ def extend_attention(
 
     Returns ``out``.
     """
-    block_size, num_kv_heads, group = paged_cache_geometry(q, k_cache, v_cache)
+    out, block_size, num_kv_heads, group, strides = paged_attention_layout(
+        q, k_cache, v_cache, out
+    )
     num_tokens, num_heads, head_dim = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    out_strides = out.stride()
-    if out_strides[2] != 1:
-        raise ValueError(f"out needs a contiguous last dimension, got strides {out_strides}")
-    config = config or (GPU_CONFIG if q.is_cuda else INTERPRETER_CONFIG)
+    config = config or CONFIGS.for_device(q.is_cuda)
     if group > config.block_m:
         raise ValueError(
             f"{group} query heads per KV head exceed the tile of {config.block_m} rows; "
@@ -91,19 +89,12 @@ def extend_attention(
     tokens_per_tile = config.block_m // group
     # Every sequence wastes at most one partial tile, so this bounds the tile count.
     max_tiles = cdiv(num_tokens, tokens_per_tile) + num_seqs
-    q_strides, cache_strides = q.stride(), k_cache.stride()
     _launch_extend(
         (max_tiles, num_kv_heads),
         (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out),
         (scale * LOG2_E, num_seqs, max_tiles, block_tables.stride(0)),
         {
-            "STRIDE_Q_TOK": q_strides[0],
-            "STRIDE_Q_HEAD": q_strides[1],
-            "STRIDE_CACHE_BLOCK": cache_strides[0],
-            "STRIDE_CACHE_SLOT": cache_strides[1],
-            "STRIDE_CACHE_HEAD": cache_strides[2],
-            "STRIDE_OUT_TOK": out_strides[0],
-            "STRIDE_OUT_HEAD": out_strides[1],
+            **strides,
             "GROUP": group,
             "TOKENS_PER_TILE": tokens_per_tile,
             "SEQS_PAD": max(MIN_SEQS_PAD, next_power_of_2(num_seqs)),

@@ -19,6 +19,15 @@ from bcg.layers.attention_ref import paged_attention_ref, store_kv
 from bcg.runner.context import get_forward_context
 from bcg.runner.forward_batch import ForwardBatch
 
+# Imported once, not on every call: the kernels need Triton, which the reference path (and a
+# CPU-only install) does without.
+try:
+    from bcg.kernels.decode_attention import decode_attention
+    from bcg.kernels.extend_attention import extend_attention
+    from bcg.kernels.kv_store import store_kv as store_kv_kernel
+except ImportError:
+    decode_attention = extend_attention = store_kv_kernel = None
+
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_id: int
@@ -52,11 +61,6 @@ def paged_attention(
         paged_attention_ref(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
                             batch.block_tables, scale, out=out)
         return
-    # Imported on first use: the kernels need Triton, the reference path does not.
-    from bcg.kernels.decode_attention import decode_attention
-    from bcg.kernels.extend_attention import extend_attention
-    from bcg.kernels.kv_store import store_kv as store_kv_kernel
-
     store_kv_kernel(k, v, k_cache, v_cache, slot_mapping)
     if batch.is_decode:
         decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, out=out,
