@@ -21,8 +21,8 @@ MODES = {
 }
 
 
-def greedy_texts(mode: str) -> list[str]:
-    llm = LLM(max_model_len=1024, **MODES[mode])
+def greedy_texts(mode: str, dtype: str = "auto") -> list[str]:
+    llm = LLM(max_model_len=1024, dtype=dtype, **MODES[mode])
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     del llm
@@ -37,6 +37,14 @@ def eager_texts():
     return greedy_texts("eager")
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "eager"])
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("eager", "piecewise")])
 def test_greedy_text_identical_across_modes(eager_texts, mode):
     assert greedy_texts(mode) == eager_texts
+
+
+def test_piecewise_greedy_text_identical_in_fp32():
+    """Inductor compiles the piecewise stack's norms and activations into its own kernels,
+    which round differently from ours: in bf16 that flips a near-tied greedy pick within 32
+    tokens. In fp32 the rounding gap is far below any logit margin, so the text must match."""
+    require_builtin_model()
+    assert greedy_texts("piecewise", "float32") == greedy_texts("eager", "float32")

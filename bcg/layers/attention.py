@@ -75,12 +75,14 @@ attention_break = eager_on_graph(attention)
 
 @torch.compiler.disable
 def attention_outside_compile(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_id: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer: nn.Module
 ) -> None:
     """What a `torch.compile`d stack calls: compilation stops here (the piecewise split), and
-    at run time the op is a graph break when a breakable graph is being captured."""
+    at run time the op is a graph break when a breakable graph is being captured. It takes
+    the layer, not its id: the compiler would specialise on the integer and recompile the
+    caller once per layer (hitting its recompile limit on deep models)."""
     op = attention_break if is_in_breakable_cuda_graph() else attention
-    op(q, k, v, output, layer_id)
+    op(q, k, v, output, layer.layer_id)
 
 
 class Attention(nn.Module):
@@ -97,8 +99,9 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         output = torch.empty_like(q)
         if torch.compiler.is_compiling():
-            op = attention_outside_compile
+            attention_outside_compile(q, k, v, output, self)
+        elif is_in_breakable_cuda_graph():
+            attention_break(q, k, v, output, self.layer_id)
         else:
-            op = attention_break if is_in_breakable_cuda_graph() else attention
-        op(q, k, v, output, self.layer_id)
+            attention(q, k, v, output, self.layer_id)
         return output
