@@ -90,6 +90,9 @@ def test_attention_outside_a_forward_context_explains():
     ([7, 12, 3], [1, 1, 1]),  # decode
 ])
 def test_kernels_match_the_reference(prefix_lens, new_lens):
+    if torch.cuda.is_available():
+        pytest.skip("checks the op's wiring in the interpreter on CPU tensors; on a GPU the "
+                    "kernel and graph-runner tests cover it")
     reason = kernels_skip_reason()
     if reason is not None:
         pytest.skip(reason)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention_ref import store_kv as store_kv_ref
@@ -25,6 +28,16 @@ LLAMA3_SCALING = {
 
 def rand(*shape: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=generator).to(DTYPE).to(DEVICE)
+
+
+def reference(layer: nn.Module) -> nn.Module:
+    """An fp32 CPU copy of `layer`: its PyTorch reference path, even on a GPU machine (on
+    CUDA the layer itself would call the kernel under test)."""
+    return copy.deepcopy(layer).to("cpu", torch.float32)
+
+
+def cpu32(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float().cpu()
 
 
 def fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int):
@@ -63,7 +76,7 @@ def test_rms_norm_matches_layer(num_tokens: int, hidden: int) -> None:
     layer.weight.copy_(rand(hidden, generator=generator))
     x = rand(num_tokens, hidden, generator=generator)
     out = rmsnorm.rms_norm(x, layer.weight, layer.eps)
-    assert rel_err(out, layer(x)) <= TOLERANCE
+    assert rel_err(out, reference(layer)(cpu32(x))) <= TOLERANCE
 
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
@@ -74,7 +87,7 @@ def test_add_rms_norm_matches_layer(num_tokens: int) -> None:
     layer.weight.copy_(rand(hidden, generator=generator))
     x, residual = rand(num_tokens, hidden, generator=generator), rand(
         num_tokens, hidden, generator=generator)
-    expected_out, expected_residual = layer.add_and_norm(x, residual)
+    expected_out, expected_residual = reference(layer).add_and_norm(cpu32(x), cpu32(residual))
     out, new_residual = rmsnorm.add_rms_norm(x, residual, layer.weight, layer.eps)
     assert new_residual is residual
     assert rel_err(residual, expected_residual) <= TOLERANCE
@@ -86,7 +99,7 @@ def test_per_head_rms_norm_on_strided_view() -> None:
     q, _, _ = fused_qkv(NUM_TOKENS[-1], 8, 2, 128, seed=4)
     layer = RMSNorm(128, eps=1e-6).to(DEVICE, DTYPE)
     layer.weight.copy_(rand(128, generator=torch.Generator().manual_seed(2)))
-    expected = layer(q)
+    expected = reference(layer)(cpu32(q))
     rmsnorm.rms_norm(q, layer.weight, layer.eps, out=q)
     assert rel_err(q, expected) <= TOLERANCE
 
@@ -100,8 +113,7 @@ def test_rotary_matches_layer(head_shape: tuple, scaling: dict | None) -> None:
     q, k, _ = fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, seed=head_dim)
     generator = torch.Generator().manual_seed(0)
     positions = torch.randint(0, max_position, (num_tokens,), generator=generator).to(DEVICE)
-    # The layer rotates in the input dtype; compare against fp32 so only the kernel rounds.
-    expected_q, expected_k = layer(positions, q.float(), k.float())
+    expected_q, expected_k = reference(layer)(positions.cpu(), cpu32(q), cpu32(k))
     rotary.apply_rotary(q, k, positions, layer.cos, layer.sin)
     assert rel_err(q, expected_q) <= TOLERANCE
     assert rel_err(k, expected_k) <= TOLERANCE
@@ -118,7 +130,8 @@ def test_rotary_with_qk_norm_matches_layers(head_shape: tuple) -> None:
         norm.weight.copy_(torch.rand(head_dim, generator=generator) + 0.5)
     q, k, _ = fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, seed=head_dim)
     positions = torch.randint(0, max_position, (num_tokens,), generator=generator).to(DEVICE)
-    expected_q, expected_k = layer(positions, q_norm(q).float(), k_norm(k).float())
+    normed_q, normed_k = reference(q_norm)(cpu32(q)), reference(k_norm)(cpu32(k))
+    expected_q, expected_k = reference(layer)(positions.cpu(), normed_q, normed_k)
     weights = (q_norm.weight, k_norm.weight)
     rotary.apply_rotary(q, k, positions, layer.cos, layer.sin, weights, q_norm.eps)
     assert rel_err(q, expected_q) <= TOLERANCE
@@ -130,7 +143,7 @@ def test_rotary_with_qk_norm_matches_layers(head_shape: tuple) -> None:
 def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
     x = rand(num_tokens, 2 * intermediate, generator=torch.Generator().manual_seed(3))
     out = activation.silu_and_mul(x)
-    assert rel_err(out, SiluAndMul()(x.float())) <= TOLERANCE
+    assert rel_err(out, SiluAndMul()(cpu32(x))) <= TOLERANCE
 
 
 @pytest.mark.gpu
@@ -140,4 +153,4 @@ def test_cached_launch_tells_alignments_apart() -> None:
     flat = rand(rows * width + 1, generator=torch.Generator().manual_seed(8))
     aligned, misaligned = flat[:-1].view(rows, width), flat[1:].view(rows, width)
     for x in (aligned, misaligned, aligned, misaligned):
-        assert rel_err(activation.silu_and_mul(x), SiluAndMul()(x.float())) <= TOLERANCE
+        assert rel_err(activation.silu_and_mul(x), SiluAndMul()(cpu32(x))) <= TOLERANCE

@@ -63,7 +63,7 @@ def import_kernels(name: str) -> ModuleType:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in fp32."""
-    ref = ref.float()
+    ref = ref.float().to(out.device)
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
