@@ -6,13 +6,15 @@ Face transformers `generate` on the same architecture as the outside peer.
 prompt + generated tokens over the wall time of the whole run; start-up is the engine's
 construction (weights, graph capture, KV cache). Transformers runs the requests in batches
 of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
-request asked for are counted). Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
+request asked for are counted). A run of some modes keeps the other modes' earlier rows.
+Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import sys
 import time
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, require_cuda, write_results  # noqa: E402
+from common import RESULTS_DIR, print_table, require_cuda, write_results  # noqa: E402
 
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
@@ -53,10 +55,16 @@ def run_bcg(model: str, mode: str, requests) -> dict:
     outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
-    del llm
+    engine = llm.engine
+    details = {"kv_cache_tokens": engine.runner.num_kv_blocks * engine.config.block_size,
+               "preemptions": engine.stats.num_preemptions,
+               "prefill_step_s": engine.stats.prefill_seconds,
+               "decode_step_s": engine.stats.decode_seconds,
+               "forwards": dict(engine.runner.forward_counts)}
+    del llm, engine
     gc.collect()
     torch.cuda.empty_cache()
-    return {"generated": generated, "seconds": seconds, "startup_s": startup}
+    return {"generated": generated, "seconds": seconds, "startup_s": startup, **details}
 
 
 def hf_config(model: str):
@@ -117,12 +125,22 @@ def main() -> None:
             rows.append({"model": model, "mode": mode, **r, "prompt_tokens": prompt_tokens,
                          "tokens_per_s": total / r["seconds"],
                          "output_tokens_per_s": r["generated"] / r["seconds"]})
-            print(rows[-1], flush=True)  # a long run still leaves every finished mode
+            print(f"\n{rows[-1]}", flush=True)  # a long run still leaves every finished mode
     print_table(f"offline throughput, {NUM_REQUESTS} requests, lengths uniform in [100, 1024]",
                 ["model", "mode", "tok/s (in+out)", "out tok/s", "run s", "start-up s"],
                 [[r["model"], r["mode"], r["tokens_per_s"], r["output_tokens_per_s"],
                   r["seconds"], r["startup_s"]] for r in rows])
-    write_results("bench_offline_" + "_".join(args.models), {"rows": rows})
+    name = "bench_offline_" + "_".join(args.models)
+    write_results(name, {"rows": merged_rows(name, rows)})
+
+
+def merged_rows(name: str, rows: list[dict]) -> list[dict]:
+    """`rows` plus the rows of an earlier run of other (model, mode) pairs, so the modes of a
+    model can be run in separate processes (a whole model may not fit one time slot)."""
+    path = RESULTS_DIR / f"{name}.json"
+    earlier = json.loads(path.read_text())["rows"] if path.exists() else []
+    fresh = {(r["model"], r["mode"]) for r in rows}
+    return [r for r in earlier if (r["model"], r["mode"]) not in fresh] + rows
 
 
 if __name__ == "__main__":
