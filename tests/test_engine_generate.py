@@ -1,9 +1,11 @@
 """LLM / LLMEngine end to end on a tiny random Qwen3 (token-id prompts, no tokenizer)."""
 
 import pytest
+import torch
 
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
+from bcg.engine.sequence import Sequence
 from tests.hf_tiny import VOCAB, hf_greedy, save_tiny_model
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 30))]
@@ -35,6 +37,20 @@ def test_greedy_matches_transformers(llm, tiny):
     assert [o.token_ids for o in outputs] == tiny[1]
     assert all(o.finish_reason == "length" and o.finished for o in outputs)
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
+
+
+def test_batch_tensors_start_16_byte_aligned(llm):
+    """Kernels specialise on pointer alignment: a misaligned batch field would compile a
+    second variant and miss the fast launch path on every step."""
+    engine = llm.engine
+    seqs = [Sequence(str(i), list(range(1, 2 + i)), GREEDY) for i in range(3)]
+    for seq in seqs:
+        engine.scheduler.block_manager.allocate(seq, seq.num_tokens)
+    batch = engine.runner.prepare(seqs, [seq.num_tokens for seq in seqs])
+    tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
+    for seq in seqs:
+        engine.scheduler.block_manager.free(seq)
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny):
@@ -174,3 +190,26 @@ def test_tight_cache_budget_and_shared_prefixes_give_the_same_tokens(llm, tiny):
                      max_num_seqs=4)
     assert greedy_tokens(tight, prompts, params) == expected
     assert tight.engine.stats.num_preemptions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill_graph", ["none", "breakable", "piecewise"])
+def test_repeated_steps_take_only_fast_kernel_launches(tiny, prefill_graph):
+    """Once a workload has run, running it again compiles nothing and every kernel launch
+    hits the launch cache (a batch tensor that changed alignment or a constexpr that follows
+    the batch would miss it: a compile mid-serving, then a slow launch per call)."""
+    import importlib
+
+    from bcg.kernels._launch import CachedLauncher
+
+    modules = ["activation", "decode_attention", "extend_attention", "kv_store", "rmsnorm",
+               "rotary"]
+    launchers = [value for name in modules
+                 for value in vars(importlib.import_module(f"bcg.kernels.{name}")).values()
+                 if isinstance(value, CachedLauncher)]
+    llm = LLM(model=str(tiny[0]), device="cuda", max_model_len=128, gpu_memory_utilization=0.3,
+              max_num_batched_tokens=32, prefill_graph=prefill_graph)
+    greedy_tokens(llm)  # chunked prompts, mixed steps, decodes of 1..3 sequences
+    slow_before = [launcher.slow_launches for launcher in launchers]
+    greedy_tokens(llm)
+    assert [launcher.slow_launches for launcher in launchers] == slow_before

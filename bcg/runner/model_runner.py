@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ALIGN_BYTES = 16  # Triton's pointer specialisation: every batch tensor starts on this
+
 
 class SamplingOptions(Protocol):
     temperature: float
@@ -189,14 +191,21 @@ class ModelRunner:
 
     def _upload(self, parts: list[array], dtype: torch.dtype) -> list[torch.Tensor]:
         """`parts` (one typecode, matching `dtype`) as device tensors: one host buffer, one
-        copy, split into views."""
+        copy, views into it. Each view starts 16-byte aligned: kernels specialise on pointer
+        alignment, and a misaligned one misses the launch cache (a compile, then a slow
+        launch every step)."""
         flat = array(parts[0].typecode)
+        align = ALIGN_BYTES // flat.itemsize
+        offsets = []
         for part in parts:
+            offsets.append(len(flat))
             flat.extend(part)
+            flat.extend(array(flat.typecode, [0]) * (-len(flat) % align))
         host = torch.frombuffer(flat, dtype=dtype)
         if self.device.type == "cuda":
             host = host.pin_memory()
-        return list(host.to(self.device, non_blocking=True).split([len(p) for p in parts]))
+        device = host.to(self.device, non_blocking=True)
+        return [device[o : o + len(p)] for o, p in zip(offsets, parts, strict=True)]
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
