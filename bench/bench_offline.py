@@ -150,6 +150,8 @@ def main() -> None:
                 ["model", "mode", "tok/s (in+out)", "out tok/s", "run s", "start-up s"],
                 [[r["model"], r["mode"], r["tokens_per_s"], r["output_tokens_per_s"],
                   r["seconds"], r["startup_s"]] for r in rows])
+    for row in rows:  # rows outlive their run (merged_rows): each says where it ran
+        row.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
     name = "bench_offline_" + "_".join(args.models)
     write_results(name, {"rows": merged_rows(name, rows)})
 

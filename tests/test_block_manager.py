@@ -103,6 +103,22 @@ def test_free_returns_every_block_and_evicts_hashes_on_reuse():
     assert manager.num_free_blocks == 3
 
 
+def test_recomputed_sequence_offers_its_blocks_again():
+    """A preempted sequence whose cached blocks were evicted re-registers them when it is
+    recomputed (the blocks it offered before are gone with its old block table)."""
+    manager = BlockManager(3, BLOCK)
+    first = seq(list(range(8)), "a")
+    compute(manager, first, 8)
+    manager.free(first)  # preempted
+    first.num_computed_tokens = 0
+    other = seq(list(range(100, 112)), "b")
+    compute(manager, other, 12)  # takes every block: first's cached blocks are evicted
+    manager.free(other)
+    assert admit(manager, first) == 0
+    compute(manager, first, 8 - first.num_computed_tokens)
+    assert admit(manager, seq(list(range(8)) + [99], "c")) == 8
+
+
 def test_prefix_caching_off_shares_nothing():
     manager = BlockManager(10, BLOCK, enable_prefix_caching=False)
     compute(manager, seq(list(range(12)), "a"), 12)

@@ -44,13 +44,15 @@ def test_batch_tensors_start_16_byte_aligned(llm):
     second variant and miss the fast launch path on every step."""
     engine = llm.engine
     seqs = [Sequence(str(i), list(range(1, 2 + i)), GREEDY) for i in range(3)]
-    for seq in seqs:
-        engine.scheduler.block_manager.allocate(seq, seq.num_tokens)
-    batch = engine.runner.prepare(seqs, [seq.num_tokens for seq in seqs])
+    try:
+        for seq in seqs:
+            engine.scheduler.block_manager.allocate(seq, seq.num_tokens)
+        batch = engine.runner.prepare(seqs, [seq.num_tokens for seq in seqs])
+    finally:  # the engine is shared with the other tests: give the blocks back
+        for seq in seqs:
+            engine.scheduler.block_manager.free(seq)
     tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
     assert all(t.data_ptr() % 16 == 0 for t in tensors)
-    for seq in seqs:
-        engine.scheduler.block_manager.free(seq)
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny):

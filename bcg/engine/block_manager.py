@@ -62,7 +62,9 @@ class BlockManager:
         return len(seq.block_table) * self.block_size
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that are now full and computed, for later sharing."""
+        """Register the blocks of `seq` that are now full and computed, for later sharing.
+        Each block is offered once: one whose tokens another block already serves is not
+        retried, even if that block is evicted later (a lost hit, never a wrong one)."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size

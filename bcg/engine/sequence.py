@@ -26,7 +26,8 @@ class Sequence:
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
-        self.prompt_token_ids = list(prompt_token_ids)  # kept apart: outputs hand it out each step
+        # Copied once so each step's output need not slice `token_ids`; shared, read-only.
+        self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.generator = generator

@@ -6,7 +6,8 @@ One concept per module; each exposes plain functions over torch tensors:
 - ``extend_attention``: a varlen batch of new tokens over a paged prefix, causal on themselves
 - ``kv_store``: write new keys/values into their cache slots
 - ``rmsnorm``: RMSNorm, optionally fused with the residual add
-- ``rotary``: neox-style rotary embedding in place, and its cos/sin cache (Llama-3 scaling)
+- ``rotary``: neox-style rotary embedding in place, optionally after a per-head RMSNorm
+  (Qwen3's q/k norm); the cos/sin tables come from ``bcg.layers.rotary``
 - ``activation``: SiLU-and-mul
 
 On a machine without CUDA, importing this package turns on Triton's interpreter

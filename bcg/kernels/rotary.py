@@ -5,8 +5,8 @@ The cos/sin tables are the caller's: ``bcg.layers.rotary.RotaryEmbedding`` build
 scaling already applied, so the kernel only looks them up by position.
 
 Qwen3 normalises each q and k head (RMSNorm over ``head_dim``) right before rotating it; given
-``norm_weights`` the kernel does both in one pass, rounding exactly as the two
-separate layers do.
+``norm_weights`` the kernel does both in one pass, rounding exactly as the ``rms_norm``
+kernel followed by this one without norms.
 """
 
 from __future__ import annotations

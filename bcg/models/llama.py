@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.qk_norms)  # qk norm fused into rotary
+        q, k = self.rotary(positions, q, k, self.qk_norms)  # one kernel on CUDA
         out = self.attn(q, k, v)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 

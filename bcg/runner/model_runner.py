@@ -45,7 +45,7 @@ class SamplingOptions(Protocol):
 class ScheduledSequence(Protocol):
     token_ids: list[int]
     num_computed_tokens: int  # tokens whose K/V are already in the cache
-    block_table: Sequence[int]  # an int32 `array` copies fastest
+    block_table: Sequence[int]  # array('i') (copied fastest) or a list of ints
     sampling_params: SamplingOptions
     generator: torch.Generator | None
 
@@ -173,7 +173,8 @@ class ModelRunner:
         params = [seq.sampling_params for seq in seqs]
         generators = [seq.generator for seq in seqs]
         if all(p.temperature == 0 for p in params):  # no per-row tensors to build and copy
-            return SamplingBatch(None, None, None, generators, True, False)
+            return SamplingBatch(temperatures=None, top_k=None, top_p=None, generators=generators,
+                                 all_greedy=True, any_top_k_top_p=False)
         vocab_size = self.model_config.vocab_size
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         return SamplingBatch(
