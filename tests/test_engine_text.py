@@ -79,3 +79,11 @@ def test_eos_ends_the_request_unless_ignored(llm):
     [longer] = llm.chat(messages, ignoring, use_tqdm=False)
     assert longer.finish_reason == "length"
     assert longer.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+
+
+def test_tokenizer_without_a_fast_backend_is_refused():
+    class SlowTokenizer:  # what a pure-Python tokenizer looks like to the engine
+        pass
+
+    with pytest.raises(ValueError, match="fast"):
+        IncrementalDetokenizer(SlowTokenizer(), stop=[])

@@ -16,7 +16,7 @@ import torch
 
 from bcg.config import EngineConfig, is_int, require
 from bcg.engine.block_manager import BlockManager
-from bcg.engine.detokenizer import IncrementalDetokenizer
+from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
@@ -61,6 +61,8 @@ class LLMEngine:
         self.model_config = source.config
         self.max_model_len = self._max_model_len(config)
         self.tokenizer = load_tokenizer(source, config.tokenizer)
+        if self.tokenizer is not None:
+            fast_backend(self.tokenizer)  # refuse at start-up, not at the first request
         self.eos_token_ids = set(source.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
