@@ -81,14 +81,12 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, n) and queue:
-                self._preempt(queue.pop())
+            while not self.block_manager.try_allocate(seq, n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
                 output.num_preempted += 1
-            if not self.block_manager.can_allocate(seq, n):
-                self._preempt(seq)
-                output.num_preempted += 1
-                break
-            self.block_manager.allocate(seq, n)
+                if victim is seq:
+                    return budget
             output.add(seq, n)
             budget -= n
         return budget
@@ -98,13 +96,12 @@ class Scheduler:
             seq = self.waiting[0]
             seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            if not self.block_manager.try_allocate(seq, n):
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
                 break
             if not seq.num_output_tokens:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            self.block_manager.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
