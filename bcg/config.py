@@ -6,7 +6,7 @@ against the model or the device when the engine starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -105,8 +105,11 @@ class EngineConfig:
                f"kv_cache_tokens must be > 0, got {self.kv_cache_tokens}")
         require(self.max_model_len is None or self.max_model_len > 0,
                f"max_model_len must be > 0, got {self.max_model_len}")
-        require(self.dtype == "auto" or self.dtype in DTYPES,
-               f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        for f in fields(self):  # the CLI enforces `choices` too, but LLM(...) skips argparse
+            choices = f.metadata.get("choices")
+            require(choices is None or getattr(self, f.name) in choices,
+                   f"{f.name} must be one of {', '.join(choices or ())}; "
+                   f"got {getattr(self, f.name)!r}")
         require(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
                f"device must be auto, cuda, cuda:N or cpu; got {self.device!r}")
         for name in ("prefill_graph_tokens", "decode_graph_bs"):

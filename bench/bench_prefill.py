@@ -59,7 +59,7 @@ def make_runner(model: str) -> tuple[ModelRunner, EngineConfig]:
         gpu_memory_utilization=0.75,
         prefill_graph_tokens=",".join(map(str, TOKENS)),
     )
-    return ModelRunner(config, resolve_model(model, "dummy"), MAX_MODEL_LEN), config
+    return ModelRunner(config, resolve_model(model, dummy_weights=True), MAX_MODEL_LEN), config
 
 
 def make_batch(runner: ModelRunner, batch: int, tokens: int):

@@ -27,7 +27,7 @@ def test_sharded_safetensors_load_like_a_single_file(tmp_path):
 
 def test_dummy_load_format_keeps_the_config_and_randomises(tmp_path):
     save_tiny_model("llama", tmp_path)
-    source = resolve_model(str(tmp_path), load_format="dummy")
+    source = resolve_model(str(tmp_path), dummy_weights=True)
     assert source.weights is None and source.config.architecture == "LlamaForCausalLM"
     real = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
     dummy = load_model(source, torch.float32, torch.device("cpu"), seed=3)
@@ -50,9 +50,13 @@ def test_unknown_model_lists_the_choices():
         resolve_model("no-such-model")
 
 
-def test_unknown_load_format_is_refused():
-    with pytest.raises(ValueError, match="load_format"):
-        resolve_model("qwen3-0.6b", load_format="pickle")
+@pytest.mark.parametrize("field,value", [
+    ("load_format", "pickle"), ("dtype", "int8"), ("prefill_graph", "bogus"),
+    ("decode_graph", "fulll"),
+])
+def test_unknown_choice_is_refused_without_the_cli(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be one of"):
+        EngineConfig(**{field: value})
 
 
 def test_unknown_architecture_lists_the_supported_ones(tmp_path):

@@ -57,7 +57,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        source = resolve_model(config.model, config.load_format)
+        source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")
         self.model_config = source.config
         self.max_model_len = self._max_model_len(config)
         self.tokenizer = load_tokenizer(source, config.tokenizer)

@@ -23,7 +23,6 @@ from bcg.models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "dummy")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
@@ -38,11 +37,11 @@ class ModelSource:
     gguf_tokenizer: bool = False
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+def resolve_model(model: str | None, dummy_weights: bool = False) -> ModelSource:
+    """Where `model`'s config, weights and tokenizer come from; with `dummy_weights` the
+    weights are left out (random ones are drawn at load)."""
     source = _resolve_weights(model)
-    if load_format == "dummy" and source.weights is not None:
+    if dummy_weights:
         source.weights = None
     return source
 
