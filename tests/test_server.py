@@ -250,3 +250,19 @@ def test_a_client_that_gives_up_waiting_frees_its_kv_blocks(server):
     _wait_until_idle(server)
     finished = httpx.get(f"{server}/metrics", timeout=10).text
     assert 'reason="abort"' in finished
+
+
+def test_a_rejected_batch_counts_no_request_and_no_abort(server):
+    """Its first prompt was added before the second was refused: that one is rolled back,
+    so /metrics shows neither a request nor an abort for the batch."""
+    def counts():
+        text = httpx.get(f"{server}/metrics", timeout=10).text
+        aborts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("bcg_requests_finished_total") and 'reason="abort"' in line]
+        return _metrics(server)["bcg_requests_total"], sum(aborts)
+
+    before = counts()
+    body = {"model": MODEL, "prompt": ["Hi", "hello " * 600], "max_tokens": 2}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
+    assert counts() == before

@@ -83,7 +83,7 @@ class EngineLoop:
     def abort(self, request_ids: list[str]) -> None:
         """Abort these requests (finished ones are skipped) and free their KV blocks; returns
         at once, so it is safe where awaiting is not (a closing generator)."""
-        self._commands.put(lambda: self._abort_all(request_ids))
+        self._commands.put(lambda: self._abort(request_ids))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -106,7 +106,7 @@ class EngineLoop:
                 ids.append(self.engine.add_request(tokens, p))
                 self._routes[ids[-1]] = _Route(outputs, index, _no_output_yet(ids[-1], tokens))
         except ValueError:
-            self._abort_all(ids)
+            self._abort(ids, count=False)  # never counted as requests either
             raise
         self.snapshot.num_requests += len(ids)
         self.snapshot.num_prompt_tokens += sum(len(t) for t in token_ids)
@@ -132,11 +132,25 @@ class EngineLoop:
             raise ValueError(f"the model's chat template rejected the messages: {error}") from error
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _abort_all(self, request_ids: list[str]) -> None:
+    def _abort(
+        self,
+        request_ids: list[str],
+        reply: Callable[[_Route], RequestOutput | Exception] | None = None,
+        count: bool = True,
+    ) -> None:
+        """Abort these requests and free their blocks; `reply` gives what each client gets
+        (nothing if None); `count` them as finished by abort."""
+        deliveries = []
         for request_id in request_ids:
-            if self._routes.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
+            route = self._routes.pop(request_id, None)
+            if route is None:
+                continue
+            self.engine.abort_request(request_id)
+            if count:
                 self._count_finished("abort")
+            if reply is not None:
+                deliveries.append((route.outputs, (route.index, reply(route))))
+        self._deliver(deliveries)
         self._refresh_snapshot()
 
     def _run(self) -> None:
@@ -146,7 +160,7 @@ class EngineLoop:
                 break
             if self.engine.has_unfinished_requests():
                 self._step()
-        self._abort_all(list(self._routes))
+        self._abort(list(self._routes))
         logger.info("engine loop stopped")
 
     def _run_commands(self, block: bool) -> bool:
@@ -170,41 +184,38 @@ class EngineLoop:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(error)
             return
+        deliveries = []
         for output in outputs:
             self.snapshot.num_generation_tokens += 1
-            route = self._routes.get(output.request_id)
-            if route is None:
-                continue
+            route = self._routes[output.request_id]  # every request is added with its route
             route.last = output
             if output.finished:
                 del self._routes[output.request_id]
                 self._count_finished(output.finish_reason)
-            self._deliver(route, (route.index, output))
+            deliveries.append((route.outputs, (route.index, output)))
+        self._deliver(deliveries)
         self._refresh_snapshot()
 
     def _count_finished(self, reason: str) -> None:
-        self.snapshot.finished[reason] = self.snapshot.finished.get(reason, 0) + 1
+        # A new dict, not an update: /metrics iterates it from the event loop's thread.
+        finished = self.snapshot.finished
+        self.snapshot.finished = {**finished, reason: finished.get(reason, 0) + 1}
 
     def _end_all(self) -> None:
-        routes, self._routes = self._routes, {}
-        for request_id, route in routes.items():
-            self.engine.abort_request(request_id)
-            self._count_finished("abort")
-            self._deliver(route, (route.index, replace(route.last, finished=True,
-                                                       finish_reason="abort")))
-        self._refresh_snapshot()
+        self._abort(list(self._routes),
+                    lambda route: replace(route.last, finished=True, finish_reason="abort"))
 
     def _fail_all(self, error: Exception) -> None:
-        routes, self._routes = self._routes, {}
-        for request_id, route in routes.items():
-            self.engine.abort_request(request_id)
-            self._deliver(route, (route.index, error))
-        self._refresh_snapshot()
+        self._abort(list(self._routes), lambda route: error, count=False)
 
-    def _deliver(self, route: _Route, item: tuple[int, RequestOutput | Exception]) -> None:
+    def _deliver(self, deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
+        """Put each item on its client's queue, waking the event loop once for all of them
+        (a wake-up per item costs a syscall and a GIL hand-off: ~0.5 ms a step at 256)."""
+        if not deliveries:
+            return
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(route.outputs.put_nowait, item)
+            self._loop.call_soon_threadsafe(_put_all, deliveries)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -216,6 +227,11 @@ class EngineLoop:
         snap.num_waiting = len(scheduler.waiting)
         snap.kv_cache_usage = 1 - blocks.num_free_blocks / len(blocks.blocks)
         snap.forwards = dict(self.engine.runner.forward_counts)
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for outputs, item in deliveries:
+        outputs.put_nowait(item)
 
 
 def _no_output_yet(request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
