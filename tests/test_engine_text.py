@@ -2,7 +2,7 @@
 
 import pytest
 
-from bcg.engine.detokenizer import IncrementalDetokenizer
+from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from tests.builtin_model import require_builtin_model
@@ -36,7 +36,7 @@ def test_incremental_text_equals_a_full_decode(llm):
     tokenizer = llm.tokenizer
     text = "Unicode: café, 東京, emoji 😀👍 and   spaces\nnew line."
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detokenizer = IncrementalDetokenizer(tokenizer, stop=[])
+    detokenizer = IncrementalDetokenizer(fast_backend(tokenizer), stop=[])
     for token_id in ids:
         detokenizer.add(token_id)
         assert "\ufffd" not in detokenizer.text
@@ -45,7 +45,7 @@ def test_incremental_text_equals_a_full_decode(llm):
 
 def test_stop_string_spanning_tokens_is_found(llm):
     tokenizer = llm.tokenizer
-    detokenizer = IncrementalDetokenizer(tokenizer, stop=["lazy dog"])
+    detokenizer = IncrementalDetokenizer(fast_backend(tokenizer), stop=["lazy dog"])
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog twice",
                            add_special_tokens=False)
     stopped_at = next(i for i, t in enumerate(ids) if detokenizer.add(t))
@@ -54,7 +54,7 @@ def test_stop_string_spanning_tokens_is_found(llm):
 
 
 def test_running_text_holds_back_a_possible_stop_string(llm):
-    detokenizer = IncrementalDetokenizer(llm.tokenizer, stop=["STOP"])
+    detokenizer = IncrementalDetokenizer(fast_backend(llm.tokenizer), stop=["STOP"])
     for token_id in llm.tokenizer.encode("Hello world, ST", add_special_tokens=False):
         detokenizer.add(token_id)
     assert detokenizer.visible_text(finished=False) == "Hello world,"
@@ -86,4 +86,4 @@ def test_tokenizer_without_a_fast_backend_is_refused():
         pass
 
     with pytest.raises(ValueError, match="fast"):
-        IncrementalDetokenizer(SlowTokenizer(), stop=[])
+        fast_backend(SlowTokenizer())

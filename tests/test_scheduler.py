@@ -47,7 +47,7 @@ def expected_outputs(seqs: list[Sequence]) -> dict[str, list[int]]:
         tokens = s.prompt_token_ids
         for _ in range(s.sampling_params.max_tokens):
             tokens = tokens + [fake_next_token(tokens)]
-        result[s.request_id] = tokens[s.num_prompt_tokens:]
+        result[s.request_id] = tokens[len(s.prompt_token_ids):]
     return result
 
 

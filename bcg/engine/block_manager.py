@@ -78,13 +78,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_offered_blocks:  # most steps: a decode fills a block in 16
+            return
         self._hash_full_blocks(seq, seq.num_computed_tokens)
-        for i in range(seq.num_offered_blocks, num_full):  # each block once: steps stay O(1)
+        for i in range(seq.num_offered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and seq.block_hashes[i] not in self.cached_blocks:
                 block.hash, block.token_ids = seq.block_hashes[i], self._block_tokens(seq, i)
                 self.cached_blocks[block.hash] = block.block_id
-        seq.num_offered_blocks = max(seq.num_offered_blocks, num_full)
+        seq.num_offered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Release the blocks of `seq`; its last blocks become the first to be evicted."""

@@ -9,13 +9,15 @@ a step.
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
-        self.backend = fast_backend(tokenizer)
+    def __init__(self, backend: Tokenizer, stop: list[str]) -> None:
+        """`backend`: the tokenizer's Rust `tokenizers.Tokenizer` (see `fast_backend`)."""
+        self.backend = backend
         self.stream = DecodeStream(skip_special_tokens=True)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
@@ -43,7 +45,7 @@ class IncrementalDetokenizer:
         return bool(found)
 
 
-def fast_backend(tokenizer: PreTrainedTokenizerBase):
+def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
     """The Rust `tokenizers.Tokenizer` behind `tokenizer`, or a ValueError saying what to do."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:

@@ -61,8 +61,8 @@ class LLMEngine:
         self.model_config = source.config
         self.max_model_len = self._max_model_len(config)
         self.tokenizer = load_tokenizer(source, config.tokenizer)
-        if self.tokenizer is not None:
-            fast_backend(self.tokenizer)  # refuse at start-up, not at the first request
+        # Looked up (or refused) once at start-up, not per request.
+        self._decoder = fast_backend(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(source.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -101,7 +101,8 @@ class LLMEngine:
             generator.manual_seed(sampling_params.seed)
         seq = Sequence(request_id, token_ids, sampling_params, generator)
         detokenizer = (
-            IncrementalDetokenizer(self.tokenizer, sampling_params.stop) if self.tokenizer else None
+            IncrementalDetokenizer(self._decoder, sampling_params.stop)
+            if self._decoder is not None else None
         )
         text = prompt if isinstance(prompt, str) else None
         self._requests[request_id] = _Request(seq, detokenizer, text)

@@ -40,10 +40,6 @@ class SamplingParams:
         require(self.seed is None or is_int(self.seed),
                f"seed must be an integer or None, got {self.seed!r}")
 
-    @property
-    def max_stop_len(self) -> int:
-        return max((len(s) for s in self.stop), default=0)
-
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)

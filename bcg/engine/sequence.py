@@ -28,7 +28,6 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         # Copied once so each step's output need not slice `token_ids`; shared, read-only.
         self.prompt_token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.generator = generator
         self.status = SequenceStatus.WAITING
@@ -46,11 +45,11 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
