@@ -111,12 +111,6 @@ class GraphSlot:
             return self.span(0, padded_num_tokens)
         return self._allocated_buffer()
 
-    def source(self, batch: Any) -> torch.Tensor | None:
-        """The live tensor to copy from `batch`, or None to leave the buffer as is."""
-        if self.source_fn is not None:
-            return self.source_fn(batch)
-        return getattr(batch, self.name, None)
-
     def _span_of(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         # Also slices the slot's pad source, which has the buffer's shape and strides.
         if self.slice_fn is not None:
