@@ -14,6 +14,7 @@ from tests.test_kernels_support import (
     PagedBatch,
     import_kernels,
     make_paged_batch,
+    record_launches,
     reference_attention,
     rel_err,
 )
@@ -72,6 +73,22 @@ def test_decode_split_counts_agree(num_splits: int) -> None:
     batch = decode_batch(random_lengths(3, generator), head_shape, generator)
     plan = decode.plan_decode(3, *head_shape[:3], DEVICE, num_splits=num_splits)
     assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+
+
+def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's split count follows its batch size (one split for large batches); every
+    launch of either kernel has the same constexprs whatever the count."""
+    split_launches = record_launches(monkeypatch, decode, "_launch_split")
+    merge_launches = record_launches(monkeypatch, decode, "_launch_merge")
+    generator = torch.Generator().manual_seed(11)
+    head_shape = HEAD_SHAPES[1]
+    for batch_size, num_splits in ((8, 1), (3, 2), (1, 5)):
+        batch = decode_batch(random_lengths(batch_size, generator), head_shape, generator)
+        plan = decode.plan_decode(batch_size, *head_shape[:3], DEVICE, num_splits=num_splits)
+        assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+    assert len(split_launches) == 3 and len(merge_launches) == 2
+    assert split_launches[0] == split_launches[1] == split_launches[2]
+    assert merge_launches[0] == merge_launches[1]
 
 
 def test_padded_rows_are_untouched() -> None:

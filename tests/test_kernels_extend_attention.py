@@ -13,6 +13,7 @@ from tests.test_kernels_support import (
     PagedBatch,
     import_kernels,
     make_paged_batch,
+    record_launches,
     reference_attention,
     rel_err,
 )
@@ -79,6 +80,22 @@ def test_mixed_decode_and_prefill() -> None:
     prefixes = torch.randint(0, MAX_PREFIX, (10,), generator=generator).tolist()
     batch = batch_of(q_lens, prefixes, HEAD_SHAPES[1], generator)
     assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+
+
+def test_any_number_of_sequences_shares_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1, 2 and 3 chunks of the tile lookup (3, 70 and 134 sequences on a GPU), block tables
+    of growing width: every launch has the same constexprs, so a growing batch never
+    compiles a new kernel mid-run."""
+    launches = record_launches(monkeypatch, extend, "_launch_extend")
+    generator = torch.Generator().manual_seed(21)
+    chunk = extend.CONFIGS.for_device(ON_GPU).seq_chunk
+    for num_seqs in (3, chunk + 6, 2 * chunk + 6):
+        q_lens = torch.randint(1, 6, (num_seqs,), generator=generator).tolist()
+        prefixes = torch.randint(0, num_seqs, (num_seqs,), generator=generator).tolist()
+        batch = batch_of(q_lens, prefixes, HEAD_SHAPES[1], generator)
+        assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+    assert len(launches) == 3
+    assert launches[0] == launches[1] == launches[2]
 
 
 def test_oversized_group_is_refused() -> None:

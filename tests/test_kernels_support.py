@@ -125,6 +125,24 @@ def make_paged_batch(
     )
 
 
+def record_launches(
+    monkeypatch: pytest.MonkeyPatch, module: ModuleType, launcher: str
+) -> list[tuple[dict, dict]]:
+    """Wrap ``module.<launcher>`` (a ``CachedLauncher``) to record each launch's constexprs
+    and options: with the same device and dtypes, each distinct record is one compiled variant
+    (the interpreter takes the slow path every time, so the launcher's own cache cannot tell).
+    """
+    launches = []
+    launch = getattr(module, launcher)
+
+    def recording_launch(grid, tensors, scalars, constexprs, **options) -> None:
+        launches.append((constexprs, options))
+        launch(grid, tensors, scalars, constexprs, **options)
+
+    monkeypatch.setattr(module, launcher, recording_launch)
+    return launches
+
+
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
     """The engine's PyTorch attention on ``batch`` (rows it skips come back poisoned)."""
     out = torch.full_like(batch.q, POISON)

@@ -145,7 +145,6 @@ def decode_attention(
             "HEAD_DIM": head_dim,
             "PAGE": block_size,
             "BLOCK_N": config.block_n,
-            "WRITE_FINAL": single_split,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -161,7 +160,9 @@ def decode_attention(
                 "NUM_HEADS": num_heads,
                 "HEAD_DIM": head_dim,
                 "BLOCK_N": config.block_n,
-                "SPLITS_PAD": next_power_of_2(plan.num_splits),
+                # The default split cap, not this plan's count (which follows the batch
+                # size): one compiled merge serves every batch; masked lanes read nothing.
+                "SPLITS_PAD": next_power_of_2(max(MAX_SPLITS, plan.num_splits)),
             },
         )
     return out
@@ -192,7 +193,6 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    WRITE_FINAL: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -234,7 +234,8 @@ def _decode_split_kernel(
     )
 
     result = acc / l_i[:, None]
-    if WRITE_FINAL:
+    # A runtime branch, not a constexpr: the split count follows the batch size.
+    if num_splits == 1:
         out_ptrs = out_ptr + row * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD + dims[None, :]
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     else:

@@ -9,6 +9,8 @@ sequence with all ``group`` query heads that share that KV head, so each KV tile
 per group. Programs find their (sequence, token tile) from ``cu_seqlens_q`` on the GPU, so
 there is no per-step metadata to build: the grid depends only on tensor shapes (an upper
 bound on the tile count), the call never synchronises with the host and is safe to capture.
+That lookup scans ``cu_seqlens_q`` in chunks of a fixed width up to a runtime bound, so no
+constexpr depends on the batch: one compiled kernel serves every number of sequences.
 """
 
 from __future__ import annotations
@@ -24,26 +26,24 @@ from bcg.kernels._launch import (
     CachedLauncher,
     DeviceConfigs,
     cdiv,
-    next_power_of_2,
 )
-
-# Sequence counts are padded to powers of two from here: few compiled variants, cheap lookup.
-MIN_SEQS_PAD = 64
 
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tile shape: query rows (tokens x group heads) and KV tokens per step, warps, stages."""
+    """Tile shape: query rows (tokens x group heads) and KV tokens per step, warps, stages;
+    and how many sequences a program's tile lookup reads per step (a power of two)."""
 
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 2
+    seq_chunk: int = 64
 
 
 CONFIGS = DeviceConfigs(
     gpu=ExtendConfig(),
-    interpreter=ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
+    interpreter=ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1, seq_chunk=8),
 )
 
 
@@ -97,7 +97,7 @@ def extend_attention(
             **strides,
             "GROUP": group,
             "TOKENS_PER_TILE": tokens_per_tile,
-            "SEQS_PAD": max(MIN_SEQS_PAD, next_power_of_2(num_seqs)),
+            "SEQ_CHUNK": config.seq_chunk,
             "HEAD_DIM": head_dim,
             "PAGE": block_size,
             "BLOCK_M": config.block_m,
@@ -110,9 +110,33 @@ def extend_attention(
 
 
 @triton.jit
-def _pick(values, index_vec, index):
-    """``values[index]`` of a small vector, as a scalar."""
-    return tl.sum(tl.where(index_vec == index, values, 0), 0)
+def _locate_tile(
+    cu_seqlens_q_ptr, num_seqs, tile, TOKENS_PER_TILE: tl.constexpr, SEQ_CHUNK: tl.constexpr
+):
+    """(sequence, index of its first tile) of ``tile``; the sequence is ``num_seqs`` for a
+    tile past the batch's last.
+
+    Scans ``SEQ_CHUNK`` sequences at a time and stops at the chunk holding ``tile``.
+    """
+    seq = 0
+    seq_first_tile = 0
+    tiles_before = 0
+    chunk_start = 0
+    while (chunk_start < num_seqs) & (tiles_before <= tile):
+        seqs = chunk_start + tl.arange(0, SEQ_CHUNK)
+        is_seq = seqs < num_seqs
+        q_starts = tl.load(cu_seqlens_q_ptr + seqs, mask=is_seq, other=0)
+        q_ends = tl.load(cu_seqlens_q_ptr + seqs + 1, mask=is_seq, other=0)
+        tiles_per_seq = tl.cdiv(q_ends - q_starts, TOKENS_PER_TILE)
+        tiles_through = tiles_before + tl.cumsum(tiles_per_seq, 0)
+        ended_before_tile = is_seq & (tiles_through <= tile)
+        seq += tl.sum(ended_before_tile.to(tl.int32), 0)
+        seq_first_tile = tl.maximum(
+            seq_first_tile, tl.max(tl.where(ended_before_tile, tiles_through, 0), 0)
+        )
+        tiles_before += tl.sum(tiles_per_seq, 0)
+        chunk_start += SEQ_CHUNK
+    return seq, seq_first_tile
 
 
 @triton.jit(do_not_specialize=["num_seqs", "max_tiles", "stride_table"])
@@ -128,7 +152,7 @@ def _extend_kernel(
     STRIDE_OUT_HEAD: tl.constexpr,
     GROUP: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
-    SEQS_PAD: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -138,18 +162,12 @@ def _extend_kernel(
     tile = max_tiles - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    seqs = tl.arange(0, SEQS_PAD)
-    is_seq = seqs < num_seqs
-    q_starts = tl.load(cu_seqlens_q_ptr + seqs, mask=is_seq, other=0)
-    q_lens = tl.load(cu_seqlens_q_ptr + seqs + 1, mask=is_seq, other=0) - q_starts
-    tiles_per_seq = tl.cdiv(q_lens, TOKENS_PER_TILE)
-    tiles_through = tl.cumsum(tiles_per_seq, 0)
-    seq = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    seq, seq_first_tile = _locate_tile(cu_seqlens_q_ptr, num_seqs, tile, TOKENS_PER_TILE, SEQ_CHUNK)
     if seq >= num_seqs:
         return
-    first_token = (tile - _pick(tiles_through - tiles_per_seq, seqs, seq)) * TOKENS_PER_TILE
-    q_start = _pick(q_starts, seqs, seq)
-    q_len = _pick(q_lens, seqs, seq)
+    first_token = (tile - seq_first_tile) * TOKENS_PER_TILE
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
 
