@@ -114,6 +114,12 @@ from tests.test_attention_op import make_batch, qkv, run
 assert op.store_kv_kernel is op.decode_attention is op.extend_attention is None
 batch, cache = make_batch([5, 0], [3, 1])
 assert run(batch, cache, *qkv(batch.num_tokens), use_kernels=False).isfinite().all()
+try:
+    run(batch, cache, *qkv(batch.num_tokens), use_kernels=True)
+except RuntimeError as error:
+    assert "pip install triton" in str(error)
+else:
+    raise AssertionError("the kernel path ran without Triton")
 """
     repo_root = Path(__file__).parent.parent
     subprocess.run([sys.executable, "-c", script], cwd=repo_root, check=True, timeout=120)

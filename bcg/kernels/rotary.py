@@ -40,7 +40,9 @@ def apply_rotary(
         positions: int64 ``[num_tokens]``, each ``< max_position``.
         cos, sin: fp32 ``[max_position, head_dim // 2]``, last dim contiguous.
         norm_weights: ``(q_weight, k_weight)``, each ``[head_dim]``: RMS-normalise every head
-            first (``weight * x / rms(x)``, with ``eps``), as ``RMSNorm`` would.
+            first (``weight * x / rms(x)``), as ``RMSNorm`` would.
+        eps: added to each head's mean square when normalising (one value for q and k, as
+            Qwen3's two norms share it).
 
     The rotation is computed in fp32 and rounded once. One launch, no host synchronisation.
     """
@@ -59,7 +61,8 @@ def apply_rotary(
     if norm_weights is not None and (q_weight.shape, k_weight.shape) != ((head_dim,),) * 2:
         raise ValueError(f"norm weights must be [head_dim={head_dim}], got "
                          f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
-    for name, tensor in (("q", q), ("k", k), ("cos", cos), ("q_weight", q_weight)):
+    tensors = (("q", q), ("k", k), ("cos", cos), ("q_weight", q_weight), ("k_weight", k_weight))
+    for name, tensor in tensors:
         require_last_dim_contiguous(name, tensor)
     if num_tokens == 0:
         return

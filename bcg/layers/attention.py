@@ -9,6 +9,7 @@ Rows past the batch's real token count (graph padding) are neither read nor cach
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,9 @@ def paged_attention(
         paged_attention_ref(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
                             batch.block_tables, scale, out=out)
         return
+    if store_kv_kernel is None:
+        raise RuntimeError("attention on CUDA needs Triton's kernels, which failed to import: "
+                           "pip install triton (the version your torch was built with)")
     store_kv_kernel(k, v, k_cache, v_cache, slot_mapping)
     if batch.is_decode:
         decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, out=out,
@@ -73,16 +77,21 @@ def paged_attention(
 attention_break = eager_on_graph(attention)
 
 
+def attention_call() -> Callable[..., None]:
+    """The op to call now: a graph break while a breakable graph is being captured (its
+    replay then runs `attention` on the live batch), else `attention` itself."""
+    return attention_break if is_in_breakable_cuda_graph() else attention
+
+
 @torch.compiler.disable
 def attention_outside_compile(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer: nn.Module
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer: Attention
 ) -> None:
     """What a `torch.compile`d stack calls: compilation stops here (the piecewise split), and
     at run time the op is a graph break when a breakable graph is being captured. It takes
     the layer, not its id: the compiler would specialise on the integer and recompile the
     caller once per layer (hitting its recompile limit on deep models)."""
-    op = attention_break if is_in_breakable_cuda_graph() else attention
-    op(q, k, v, output, layer.layer_id)
+    attention_call()(q, k, v, output, layer.layer_id)
 
 
 class Attention(nn.Module):
@@ -100,8 +109,6 @@ class Attention(nn.Module):
         output = torch.empty_like(q)
         if torch.compiler.is_compiling():
             attention_outside_compile(q, k, v, output, self)
-        elif is_in_breakable_cuda_graph():
-            attention_break(q, k, v, output, self.layer_id)
         else:
-            attention(q, k, v, output, self.layer_id)
+            attention_call()(q, k, v, output, self.layer_id)
         return output
