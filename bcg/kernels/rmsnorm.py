@@ -95,7 +95,7 @@ def _launch(
     _launch_rms_norm(
         (num_rows,),
         (x, residual_or_x, weight, out),
-        (eps,),
+        (float(eps),),  # an int would be a specialised integer argument
         {
             "HIDDEN": hidden,
             "HEADS": heads,

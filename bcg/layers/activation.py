@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bcg.layers import fused
 from bcg.layers.fused import use_fused_kernels
 
 
@@ -14,8 +15,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused_kernels(x):
-            from bcg.kernels.activation import silu_and_mul
-
-            return silu_and_mul(x)
+            return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

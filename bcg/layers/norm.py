@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bcg.layers import fused
 from bcg.layers.fused import use_fused_kernels
 
 
@@ -16,9 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused_kernels(x):
-            from bcg.kernels.rmsnorm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
+            return fused.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32, scale in the input dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -30,8 +29,6 @@ class RMSNorm(nn.Module):
         """Return `(norm(x + residual), x + residual)`: the new hidden state and residual.
         With the fused kernel the sum is written into `residual` in place."""
         if use_fused_kernels(x):
-            from bcg.kernels.rmsnorm import add_rms_norm
-
-            return add_rms_norm(x, residual, self.weight, self.eps)
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from bcg.layers import fused
 from bcg.layers.fused import use_fused_kernels
 from bcg.layers.norm import RMSNorm
 
@@ -37,11 +38,9 @@ class RotaryEmbedding(nn.Module):
         normalising each head with `norms` (q's, k's) if given. In place with the fused
         kernel, which does both in one launch."""
         if use_fused_kernels(q):
-            from bcg.kernels.rotary import apply_rotary
-
             weights = None if norms is None else (norms[0].weight, norms[1].weight)
             eps = 0.0 if norms is None else norms[0].eps
-            apply_rotary(q, k, positions, self.cos, self.sin, weights, eps)
+            fused.apply_rotary(q, k, positions, self.cos, self.sin, weights, eps)
             return q, k
         if norms is not None:
             q, k = norms[0](q), norms[1](k)

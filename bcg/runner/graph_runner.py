@@ -108,10 +108,7 @@ class GraphRunner:
 
     def capture_all(self) -> None:
         """Capture every bucket, largest first so smaller ones reuse the pool's blocks."""
-        torch.cuda.synchronize(self.device)
-        gc.collect()
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(self.device)
+        reserved = self._settled_reserved_bytes()
         start = time.perf_counter()
         sizes = sorted(self.buckets, reverse=True)
         for size in tqdm(
@@ -120,9 +117,7 @@ class GraphRunner:
             self.graphs[size] = self.capture_one(size)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        gc.collect()
-        torch.cuda.empty_cache()
-        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        self.pool_bytes = self._settled_reserved_bytes() - reserved
         logger.info(
             "%s graphs (%s): %d buckets %s captured in %.2f s, graph pool %.3f GiB",
             self.kind,
@@ -136,17 +131,21 @@ class GraphRunner:
     def measure_pool_bytes(self) -> int:
         """Pool memory the graphs will take, from a throw-away capture of the largest bucket
         (smaller buckets reuse its blocks), so the KV cache can be sized around it."""
+        reserved = self._settled_reserved_bytes()
+        captured = self.capture_one(self.max_size)
+        # Settled first: the warm-ups' freed activations are cache, not pool.
+        used = self._settled_reserved_bytes() - reserved
+        del captured
+        self._settled_reserved_bytes()
+        self.pool = torch.cuda.graph_pool_handle()  # the measured pool is gone
+        return used
+
+    def _settled_reserved_bytes(self) -> int:
+        """Memory the allocator reserves once the device is idle and freed blocks are back."""
         torch.cuda.synchronize(self.device)
         gc.collect()
         torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(self.device)
-        captured = self.capture_one(self.max_size)
-        used = torch.cuda.memory_reserved(self.device) - reserved
-        del captured
-        gc.collect()
-        torch.cuda.empty_cache()
-        self.pool = torch.cuda.graph_pool_handle()  # the measured pool is gone
-        return used
+        return torch.cuda.memory_reserved(self.device)
 
     @torch.inference_mode()
     def capture_one(self, size: int) -> CapturedStack:

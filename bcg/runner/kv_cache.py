@@ -20,10 +20,12 @@ class KVCache:
         self.block_size = block_size
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        # Views made once: attention asks for its layer's on every call (~10 us to index).
+        self._layers = [(self.storage[0, i], self.storage[1, i]) for i in range(num_layers)]
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(k_cache, v_cache)` of a layer, each `[num_blocks, block_size, kv_heads, head_dim]`."""
-        return self.storage[0, layer_id], self.storage[1, layer_id]
+        return self._layers[layer_id]
 
     @staticmethod
     def bytes_per_block(

@@ -96,7 +96,9 @@ class ModelRunner:
         sampling = [s for s, n in zip(seqs, num_new_tokens, strict=True) if samples_this_step(s, n)]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden_states[batch.sample_indices])
+        # A pure decode samples every row: a view then, not a gather (a launch and a copy).
+        rows = batch.sample_indices if len(sampling) < batch.num_tokens else slice(None)
+        logits = self.model.compute_logits(hidden_states[rows])
         return self.sampler(logits, self.sampling_batch(sampling)).tolist()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
