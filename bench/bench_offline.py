@@ -7,7 +7,9 @@ prompt + generated tokens over the wall time of the whole run; start-up is the e
 construction (weights, graph capture, KV cache); each engine first runs a short warm-up
 of the same prompt lengths (not timed: see `warm_up`). Transformers runs the requests in batches
 of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
-request asked for are counted). A run of some modes keeps the other modes' earlier rows.
+request asked for are counted); `--hf-requests N` times only the first N requests, for a
+peer too slow to finish all of them in the time at hand (its row says how many it ran).
+A run of some modes keeps the other modes' earlier rows.
 Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
 """
 
@@ -116,6 +118,9 @@ def run_transformers(model: str, requests, batch_size: int) -> dict:
         with torch.inference_mode():
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
                         min_new_tokens=longest, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        print(f"transformers: {first + len(chunk)} requests done after "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del hf
@@ -130,19 +135,24 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=[*MODES, HF_MODE],
                         choices=[*MODES, HF_MODE], help="what to run (default: all)")
     parser.add_argument("--hf-batch", type=int, default=128, help="transformers batch size")
+    parser.add_argument("--hf-requests", type=int, default=NUM_REQUESTS,
+                        help="transformers runs only the first N requests (default: all)")
     args = parser.parse_args()
     require_cuda("bench_offline")
     rows = []
     for model in args.models:
-        requests = workload(PRESETS[model]["vocab_size"])
-        prompt_tokens = sum(len(p) for p, _ in requests)
+        workload_requests = workload(PRESETS[model]["vocab_size"])
         for mode in args.modes:
             if mode in MODES:
+                requests = workload_requests
                 r = run_bcg(model, mode, requests)
             else:
+                requests = workload_requests[: args.hf_requests]
                 r = run_transformers(model, requests, args.hf_batch)
+            prompt_tokens = sum(len(p) for p, _ in requests)
             total = prompt_tokens + r["generated"]
-            rows.append({"model": model, "mode": mode, **r, "prompt_tokens": prompt_tokens,
+            rows.append({"model": model, "mode": mode, **r, "requests": len(requests),
+                         "prompt_tokens": prompt_tokens,
                          "tokens_per_s": total / r["seconds"],
                          "output_tokens_per_s": r["generated"] / r["seconds"]})
             print(f"\n{rows[-1]}", flush=True)  # a long run still leaves every finished mode

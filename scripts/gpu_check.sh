@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU suite and the benchmarks, for the device machine (see README "GPU checks").
 # Usage: scripts/gpu_check.sh [step ...]   steps: tests bench_graph bench_buffers ... (default: all);
-# a quoted step may carry arguments: scripts/gpu_check.sh "bench_offline --models qwen3-0.6b"
-# Wheels missing on that machine travel in .whl/ (carry it) and are installed to /tmp/site.
+# a quoted step may carry arguments: scripts/gpu_check.sh "bench_offline --models qwen3-0.6b",
+# and "tests models_hf sampling" runs only the test files whose names contain those words.
+# Wheels missing on that machine travel in .whl/ (carry it) and are installed to /tmp/site,
+# which later calls on the same (warm) machine reuse without carrying them again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+    --target /tmp/site .whl/*.whl
 fi
+[ -d /tmp/site ] && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 log_dir="${OUT:-/tmp/gpu_check}"
 mkdir -p "$log_dir"
@@ -18,23 +21,29 @@ steps=("$@")
 summary=()
 for step in "${steps[@]}"; do
   echo "=== $step"
-  if [ "$step" = tests ]; then
+  # A step may carry arguments: "bench_offline --models qwen3-0.6b".
+  name="${step%% *}"
+  args=()
+  [ "$name" != "$step" ] && read -ra args <<<"${step#* }"
+  if [ "$name" = tests ]; then
     # One process per file: a CUDA error is sticky and would fail every later test.
     : >"$log_dir/tests.log"
     for file in $(grep -l "gpu" tests/test_*.py); do
+      if [ ${#args[@]} -gt 0 ]; then
+        wanted=0
+        for word in "${args[@]}"; do [[ "$file" == *"$word"* ]] && wanted=1; done
+        [ $wanted = 1 ] || continue
+      fi
       # Kernel tests run unmarked: on a GPU they compile and launch the real kernels.
       marker=(-m gpu)
       [[ "$file" == tests/test_kernels_* ]] && marker=()
+      started=$SECONDS
       python3 -m pytest -q "${marker[@]}" -p no:cacheprovider --tb=short "$file" >"$log_dir/t.log" 2>&1
       cat "$log_dir/t.log" >>"$log_dir/tests.log"
-      summary+=("$(basename "$file"): $(tail -n 1 "$log_dir/t.log")")
+      summary+=("$(basename "$file"): $(tail -n 1 "$log_dir/t.log") [$((SECONDS - started)) s]")
     done
     grep -hE "^(FAILED|ERROR)" "$log_dir/tests.log" | head -20
   else
-    # A step may carry arguments: "bench_offline --models qwen3-0.6b".
-    name="${step%% *}"
-    args=()
-    [ "$name" != "$step" ] && read -ra args <<<"${step#* }"
     python3 "bench/$name.py" "${args[@]}" 2>&1 | tee "$log_dir/$name.log"
     status=${PIPESTATUS[0]}
     json=$(ls -t bench/results/"$name"*.json 2>/dev/null | head -n 1)
