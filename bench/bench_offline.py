@@ -5,7 +5,8 @@ Face transformers `generate` on the same architecture as the outside peer.
 `ignore_eos` so every request produces its full length; dummy weights in bf16. tok/s counts
 prompt + generated tokens over the wall time of the whole run; start-up is the engine's
 construction (weights, graph capture, KV cache); each engine first runs a short warm-up
-of the same prompt lengths (not timed: see `warm_up`). Transformers runs the requests in batches
+of the same prompt lengths (not timed: see `timed_run`), then `--repeats` timed runs of the
+workload's lengths, and the row is the median run. Transformers runs the requests in batches
 of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
 request asked for are counted); `--hf-requests N` times only the first N requests, for a
 peer too slow to finish all of them in the time at hand (its row says how many it ran).
@@ -49,44 +50,52 @@ def workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
              rng.randint(100, 1024)) for _ in range(NUM_REQUESTS)]
 
 
-def run_bcg(model: str, mode: str, requests) -> dict:
+def same_lengths(requests, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """Requests of the same prompt and output lengths with other random tokens: the same work,
+    and no prefix-cache hit on an earlier run's prompts."""
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab) for _ in p], n) for p, n in requests]
+
+
+def run_bcg(model: str, mode: str, requests, repeats: int) -> dict:
+    """Start an engine, warm it up, then time `repeats` runs of the workload's lengths (the
+    first on the workload itself); the row is the median run."""
     start = time.perf_counter()
     llm = LLM(model=model, load_format="dummy", max_model_len=2048, **MODES[mode])
     startup = time.perf_counter() - start
-    warmup = warm_up(llm, requests)
+    vocab = PRESETS[model]["vocab_size"]
+    warm_start = time.perf_counter()
+    timed_run(llm, [(p, 2) for p, _ in same_lengths(requests, vocab, seed=1)])
+    warmup = time.perf_counter() - warm_start
+    runs = [timed_run(llm, requests if r == 0 else same_lengths(requests, vocab, seed=1 + r))
+            for r in range(repeats)]
+    median = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
+    kv_cache_tokens = llm.engine.runner.num_kv_blocks * llm.engine.config.block_size
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {**median, "run_seconds": [run["seconds"] for run in runs], "startup_s": startup,
+            "warmup_s": warmup, "kv_cache_tokens": kv_cache_tokens}
+
+
+def timed_run(llm: LLM, requests) -> dict:
+    """One greedy `generate` of the requests, with the engine's counters of that run alone.
+    The warm-up is such a run too: Triton compiles a kernel the first time a process meets
+    it, and Inductor (piecewise) compiles per bucket, so without it the first mode of a
+    process would pay those compiles (seconds) inside its timed run."""
+    engine = llm.engine
+    engine.stats = EngineStats()
+    engine.runner.forward_counts.clear()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outputs)
-    engine = llm.engine
-    details = {"kv_cache_tokens": engine.runner.num_kv_blocks * engine.config.block_size,
-               "preemptions": engine.stats.num_preemptions,
-               "prefill_step_s": engine.stats.prefill_seconds,
-               "decode_step_s": engine.stats.decode_seconds,
-               "forwards": dict(engine.runner.forward_counts)}
-    del llm, engine
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"generated": generated, "seconds": seconds, "startup_s": startup,
-            "warmup_s": warmup, **details}
-
-
-def warm_up(llm: LLM, requests) -> float:
-    """Run prompts of the workload's lengths (other tokens: no prefix-cache hits later) for
-    2 tokens each, then clear the counters; return its seconds. Triton compiles a kernel
-    variant the first time a process meets it, and the attention kernels have variants by
-    batch shape: without this, whichever mode runs first in the process pays those compiles
-    (seconds) inside its timed run."""
-    rng = random.Random(1)
-    prompts = [[rng.randrange(100, 1000) for _ in range(len(p))] for p, _ in requests]
-    start = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
-                 use_tqdm=False)
-    llm.engine.stats = EngineStats()
-    llm.engine.runner.forward_counts.clear()
-    return time.perf_counter() - start
+    return {"generated": sum(len(o.token_ids) for o in outputs), "seconds": seconds,
+            "preemptions": engine.stats.num_preemptions,
+            "prefill_step_s": engine.stats.prefill_seconds,
+            "decode_step_s": engine.stats.decode_seconds,
+            "forwards": dict(engine.runner.forward_counts)}
 
 
 def hf_config(model: str):
@@ -134,6 +143,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--modes", nargs="+", default=[*MODES, HF_MODE],
                         choices=[*MODES, HF_MODE], help="what to run (default: all)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per engine (the row is the median; default 3)")
     parser.add_argument("--hf-batch", type=int, default=128, help="transformers batch size")
     parser.add_argument("--hf-requests", type=int, default=NUM_REQUESTS,
                         help="transformers runs only the first N requests (default: all)")
@@ -145,7 +156,7 @@ def main() -> None:
         for mode in args.modes:
             if mode in MODES:
                 requests = workload_requests
-                r = run_bcg(model, mode, requests)
+                r = run_bcg(model, mode, requests, args.repeats)
             else:
                 requests = workload_requests[: args.hf_requests]
                 r = run_transformers(model, requests, args.hf_batch)
