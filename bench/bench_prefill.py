@@ -1,10 +1,15 @@
 """Prefill latency of the transformer stack: eager vs breakable graphs vs piecewise
 (`torch.compile` split at attention, plus graphs) vs one full CUDA graph of the exact batch.
 
-Dummy weights in bf16. Each row is one forward of `batch` sequences sharing `tokens` new
-tokens (no cached prefix). Graph buckets are the token counts measured, so no row pays for
-padding. Floors: weight bytes / measured HBM bandwidth, and 2 * params * tokens / measured
-matmul throughput. Run: python bench/bench_prefill.py [--models qwen3-0.6b qwen3-8b]
+Dummy weights in bf16. Each row is one prefill of `batch` sequences sharing `tokens` new
+tokens (no cached prefix), as the engine runs it: the stack on every token, then the LM head
+on each sequence's last token (the head runs eagerly in the graph modes, as in the engine).
+Graph buckets are the token counts measured, so no row pays for padding. Each time is the
+median of 5 timings. Floors: weight bytes / measured HBM bandwidth, and 2 * params * tokens /
+measured matmul throughput. "matmuls alone" replays one CUDA graph of just the forward's
+weight matmuls at this token count (cuBLAS, nothing else): what any mode that keeps
+cuBLAS's GEMMs can at best reach.
+Run: python bench/bench_prefill.py [--models qwen3-0.6b qwen3-8b]
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ from common import (  # noqa: E402
     decode_weight_bytes,
     hbm_bandwidth_gbs,
     matmul_tflops,
+    median_time_ms,
     print_table,
     require_cuda,
-    time_per_call_ms,
     write_results,
 )
 
 from bcg.config import EngineConfig  # noqa: E402
+from bcg.layers.embedding import LMHead  # noqa: E402
+from bcg.layers.linear import Linear  # noqa: E402
 from bcg.loader.model_source import resolve_model  # noqa: E402
 from bcg.runner.graph_setup import build_graph_runners  # noqa: E402
 from bcg.runner.model_runner import ModelRunner  # noqa: E402
@@ -74,15 +81,40 @@ def make_batch(runner: ModelRunner, batch: int, tokens: int):
     return runner.prepare(seqs, [per_seq] * batch)
 
 
-def full_graph_step(runner: ModelRunner, batch):
-    """One CUDA graph of the whole stack for this exact batch (attention included): the
-    bound a graph can reach when nothing about the batch changes."""
-    runner.forward_eager(batch)
+def prefill(forward, runner: ModelRunner, batch) -> torch.Tensor:
+    """The stack through `forward`, then the head on each sequence's last token."""
+    return runner.model.compute_logits(forward(batch)[batch.sample_indices])
+
+
+def captured(step):
+    """`step` (after one warm-up call) as the replay of one CUDA graph."""
+    step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        runner.forward_eager(batch)
+        step()
     return graph.replay
+
+
+def full_graph_step(runner: ModelRunner, batch):
+    """One CUDA graph of the whole prefill for this exact batch (attention included): the
+    bound a graph can reach when nothing about the batch changes."""
+    return captured(functools.partial(prefill, runner.forward_eager, runner, batch))
+
+
+def matmuls_alone_step(model: torch.nn.Module, batch_size: int, tokens: int):
+    """One CUDA graph of every weight matmul the prefill runs (the head on one row per
+    sequence) on random activations: cuBLAS's time with no other op in between."""
+    weights = [(batch_size if isinstance(m, LMHead) else tokens, m.weight)
+               for m in model.modules() if isinstance(m, (Linear, LMHead))]
+    inputs = {(rows, w.shape[1]): torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
+              for rows, w in weights}
+
+    def matmuls() -> None:
+        for rows, weight in weights:
+            torch.nn.functional.linear(inputs[rows, weight.shape[1]], weight)
+
+    return captured(matmuls)
 
 
 @torch.inference_mode()
@@ -110,10 +142,11 @@ def bench_model(model: str, floors: dict) -> tuple[list[dict], list[dict]]:
         for batch_size in BATCH_SIZES:
             for tokens in TOKENS:
                 batch = make_batch(runner, batch_size, tokens)
-                iters = max(5, min(200, 20_000 // tokens))
-                steps = {mode: functools.partial(runner.forward, batch)}
+                iters = max(2, min(40, 4_000 // tokens))
+                steps = {mode: functools.partial(prefill, runner.forward, runner, batch)}
                 if mode == "eager":
                     steps["full graph"] = full_graph_step(runner, batch)
+                    steps["matmuls alone"] = matmuls_alone_step(runner.model, batch_size, tokens)
                 for name, step in steps.items():
                     rows.append(
                         {
@@ -121,7 +154,7 @@ def bench_model(model: str, floors: dict) -> tuple[list[dict], list[dict]]:
                             "mode": name,
                             "batch": batch_size,
                             "tokens": tokens,
-                            "ms": time_per_call_ms(step, iters),
+                            "ms": median_time_ms(step, iters),
                             "weight_floor_ms": weight_floor_ms,
                             "compute_floor_ms": 2
                             * params
@@ -155,9 +188,9 @@ def main() -> None:
         key = (r["model"], r["batch"], r["tokens"])
         table.setdefault(key, dict(weight=r["weight_floor_ms"], compute=r["compute_floor_ms"]))
         table[key][r["mode"]] = r["ms"]
-    modes = ["eager", "breakable", "piecewise", "full graph"]
+    modes = ["eager", "breakable", "piecewise", "full graph", "matmuls alone"]
     print_table(
-        f"prefill ms per forward (HBM {floors['hbm_gbs']:.0f} GB/s, "
+        f"prefill ms (stack + head; HBM {floors['hbm_gbs']:.0f} GB/s, "
         f"matmul {floors['tflops']:.0f} TFLOP/s)",
         ["model", "batch", "tokens", *modes, "eager/breakable", "floor (max)"],
         [
