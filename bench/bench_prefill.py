@@ -5,10 +5,10 @@ Dummy weights in bf16. Each row is one prefill of `batch` sequences sharing `tok
 tokens (no cached prefix), as the engine runs it: the stack on every token, then the LM head
 on each sequence's last token (the head runs eagerly in the graph modes, as in the engine).
 Graph buckets are the token counts measured, so no row pays for padding. Each time is the
-median of 5 timings. Floors: weight bytes / measured HBM bandwidth, and 2 * params * tokens /
-measured matmul throughput. "matmuls alone" replays one CUDA graph of just the forward's
-weight matmuls at this token count (cuBLAS, nothing else): what any mode that keeps
-cuBLAS's GEMMs can at best reach.
+median of 5 timings, the modes of a row interleaved. Floors: weight bytes / measured HBM
+bandwidth, and 2 * params * tokens / measured matmul throughput. "matmuls alone" replays
+one CUDA graph of just the forward's weight matmuls at this token count (cuBLAS, nothing
+else): what any mode that keeps cuBLAS's GEMMs can at best reach.
 Run: python bench/bench_prefill.py [--models qwen3-0.6b qwen3-8b]
 """
 
@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,9 +29,9 @@ from common import (  # noqa: E402
     decode_weight_bytes,
     hbm_bandwidth_gbs,
     matmul_tflops,
-    median_time_ms,
     print_table,
     require_cuda,
+    time_per_call_ms,
     write_results,
 )
 
@@ -81,7 +82,7 @@ def make_batch(runner: ModelRunner, batch: int, tokens: int):
     return runner.prepare(seqs, [per_seq] * batch)
 
 
-def prefill(forward, runner: ModelRunner, batch) -> torch.Tensor:
+def prefill_step(forward, runner: ModelRunner, batch) -> torch.Tensor:
     """The stack through `forward`, then the head on each sequence's last token."""
     return runner.model.compute_logits(forward(batch)[batch.sample_indices])
 
@@ -99,7 +100,7 @@ def captured(step):
 def full_graph_step(runner: ModelRunner, batch):
     """One CUDA graph of the whole prefill for this exact batch (attention included): the
     bound a graph can reach when nothing about the batch changes."""
-    return captured(functools.partial(prefill, runner.forward_eager, runner, batch))
+    return captured(functools.partial(prefill_step, runner.forward_eager, runner, batch))
 
 
 def matmuls_alone_step(model: torch.nn.Module, batch_size: int, tokens: int):
@@ -122,54 +123,47 @@ def bench_model(model: str, floors: dict) -> tuple[list[dict], list[dict]]:
     runner, config = make_runner(model)
     params = sum(p.numel() for p in runner.model.parameters())
     weight_floor_ms = decode_weight_bytes(runner.model) / (floors["hbm_gbs"] * 1e9) * 1e3
-    rows, startup = [], []
-    for mode in ("eager", "breakable", "piecewise"):
-        runner.graph_runners = []
-        if mode != "eager":
-            _, prefill = build_graph_runners(
-                runner, dataclasses.replace(config, prefill_graph=mode), MAX_MODEL_LEN
-            )
-            prefill.capture_all()
-            runner.graph_runners = [prefill]
-            startup.append(
-                {
-                    "model": model,
-                    "mode": mode,
-                    "capture_s": prefill.capture_seconds,
-                    "pool_gib": prefill.pool_bytes / 2**30,
-                }
-            )
-        for batch_size in BATCH_SIZES:
-            for tokens in TOKENS:
-                batch = make_batch(runner, batch_size, tokens)
-                iters = max(2, min(40, 4_000 // tokens))
-                steps = {mode: functools.partial(prefill, runner.forward, runner, batch)}
-                if mode == "eager":
-                    steps["full graph"] = full_graph_step(runner, batch)
-                    steps["matmuls alone"] = matmuls_alone_step(runner.model, batch_size, tokens)
-                for name, step in steps.items():
-                    rows.append(
-                        {
-                            "model": model,
-                            "mode": name,
-                            "batch": batch_size,
-                            "tokens": tokens,
-                            "ms": median_time_ms(step, iters),
-                            "weight_floor_ms": weight_floor_ms,
-                            "compute_floor_ms": 2
-                            * params
-                            * tokens
-                            / (floors["tflops"] * 1e12)
-                            * 1e3,
-                        }
-                    )
-        del runner.graph_runners[:]
-        gc.collect()
-        torch.cuda.empty_cache()
-    del runner
+    graph_runners, startup = {"eager": []}, []
+    for mode in ("breakable", "piecewise"):
+        _, prefill = build_graph_runners(
+            runner, dataclasses.replace(config, prefill_graph=mode), MAX_MODEL_LEN
+        )
+        prefill.capture_all()
+        graph_runners[mode] = [prefill]
+        startup.append({"model": model, "mode": mode, "capture_s": prefill.capture_seconds,
+                        "pool_gib": prefill.pool_bytes / 2**30})
+    rows = []
+    for batch_size in BATCH_SIZES:
+        for tokens in TOKENS:
+            batch = make_batch(runner, batch_size, tokens)
+            steps = {mode: functools.partial(prefill_step, runner.forward, runner, batch)
+                     for mode in graph_runners}
+            steps["full graph"] = full_graph_step(runner, batch)
+            steps["matmuls alone"] = matmuls_alone_step(runner.model, batch_size, tokens)
+            timings = interleaved_timings_ms(runner, graph_runners, steps, tokens)
+            compute_floor_ms = 2 * params * tokens / (floors["tflops"] * 1e12) * 1e3
+            rows += [{"model": model, "mode": name, "batch": batch_size, "tokens": tokens,
+                      "ms": ms, "weight_floor_ms": weight_floor_ms,
+                      "compute_floor_ms": compute_floor_ms} for name, ms in timings.items()]
+    runner.graph_runners = []
+    del runner, graph_runners
     gc.collect()
     torch.cuda.empty_cache()
     return rows, startup
+
+
+def interleaved_timings_ms(runner: ModelRunner, graph_runners: dict, steps: dict, tokens: int,
+                           trials: int = 5) -> dict[str, float]:
+    """Median over `trials` rounds, each timing every step once in turn: host-bound rows
+    drift with the machine (clocks, other processes), and interleaving spreads that drift
+    over all modes instead of charging it to whichever mode ran first."""
+    iters = max(2, min(40, 4_000 // tokens))
+    samples = {name: [] for name in steps}
+    for _ in range(trials):
+        for name, step in steps.items():
+            runner.graph_runners = graph_runners.get(name, [])
+            samples[name].append(time_per_call_ms(step, iters))
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def main() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,12 +32,6 @@ def time_per_call_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> f
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / iters
-
-
-def median_time_ms(fn: Callable[[], object], iters: int, trials: int = 5) -> float:
-    """Median over `trials` timings of `iters` calls each: a host hiccup (a GC pass, a
-    context switch) moves a mean of host-bound calls, not the median."""
-    return statistics.median(time_per_call_ms(fn, iters) for _ in range(trials))
 
 
 def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
