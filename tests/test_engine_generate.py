@@ -215,3 +215,23 @@ def test_repeated_steps_take_only_fast_kernel_launches(tiny, prefill_graph):
     slow_before = [launcher.slow_launches for launcher in launchers]
     greedy_tokens(llm)
     assert [launcher.slow_launches for launcher in launchers] == slow_before
+
+
+def test_add_requests_is_all_or_none(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="prompt 2: "):
+        engine.add_requests([PROMPTS[0], PROMPTS[1], [1, 2.5]], [GREEDY] * 3)
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        engine.add_requests(PROMPTS[:1] * 3, [GREEDY] * 2)
+    ids = engine.add_requests(PROMPTS[:2], [GREEDY] * 2)
+    assert len(set(ids)) == 2
+    for request_id in ids:
+        engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests()
+
+
+def test_chat_without_a_chat_template_says_to_send_plain_prompts(llm):
+    assert llm.engine.tokenizer is None or llm.engine.tokenizer.chat_template is None
+    with pytest.raises(ValueError, match="no chat template: send plain prompts"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)

@@ -1,5 +1,6 @@
 """Text in, text out on the built-in SmolLM2: chat, stop strings, detokenization, bad input."""
 
+import jinja2
 import pytest
 
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
@@ -87,3 +88,12 @@ def test_tokenizer_without_a_fast_backend_is_refused():
 
     with pytest.raises(ValueError, match="fast"):
         fast_backend(SlowTokenizer())
+
+
+def test_a_chat_template_error_is_a_value_error(llm, monkeypatch):
+    def reject(*args, **kwargs):
+        raise jinja2.TemplateError("no system messages here")
+
+    monkeypatch.setattr(llm.engine.tokenizer, "apply_chat_template", reject)
+    with pytest.raises(ValueError, match="rejected the messages: no system messages here"):
+        llm.chat([{"role": "system", "content": "hi"}], GREEDY, use_tqdm=False)

@@ -266,3 +266,20 @@ def test_a_rejected_batch_counts_no_request_and_no_abort(server):
     response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
     assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
     assert counts() == before
+
+
+def test_a_prompt_repeated_for_n_choices_is_tokenized_once():
+    from bcg.server.engine_loop import EngineLoop
+
+    class CountingEngine:
+        calls = 0
+
+        def encode(self, text):
+            CountingEngine.calls += 1
+            return [ord(c) for c in text]
+
+    loop = EngineLoop(CountingEngine())
+    text, other = "hello", "hi"
+    assert loop._token_ids([text, text, text, other]) == [[104, 101, 108, 108, 111]] * 3 + [
+        [104, 105]]
+    assert CountingEngine.calls == 2

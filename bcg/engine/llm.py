@@ -38,7 +38,7 @@ class LLM:
         Every prompt is validated before any runs, so bad input raises and runs nothing."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = self._add_all(prompts, params)
+        ids = self.engine.add_requests(prompts, params)
         finished = self._run(len(ids), use_tqdm)
         return [finished[i] for i in ids]
 
@@ -55,22 +55,8 @@ class LLM:
                              sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        require(tokenizer is not None and tokenizer.chat_template is not None,
-                "this model's tokenizer has no chat template: use generate() with plain prompts")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p))
-        except ValueError as error:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise ValueError(f"prompt {len(ids)}: {error}") from error
-        return ids
+        """The token ids of one conversation rendered with the tokenizer's chat template."""
+        return self.engine.chat_token_ids(messages)
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -1,8 +1,9 @@
 """LLMEngine: requests in, one scheduled model step at a time, outputs out.
 
-`add_request`, `step`, `abort_request` and `has_unfinished_requests` are the whole API a
-driver needs (the offline `LLM` loop, the HTTP server). A request that fails validation
-raises in `add_request` and leaves every other request untouched.
+`add_request` (or `add_requests`, all or none), `step`, `abort_request` and
+`has_unfinished_requests` are the whole API a driver needs (the offline `LLM` loop, the
+HTTP server). A request that fails validation raises and leaves every other request
+untouched.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import jinja2
 import torch
 
 from bcg.config import EngineConfig, is_int, require
@@ -108,6 +110,35 @@ class LLMEngine:
         self._requests[request_id] = _Request(seq, detokenizer, text)
         self.scheduler.add(seq)
         return request_id
+
+    def add_requests(
+        self, prompts: list[str | list[int]], params: list[SamplingParams]
+    ) -> list[str]:
+        """Queue one request per (prompt, params), all or none: on bad input, drop the ones
+        already queued and raise ValueError naming the first bad prompt's index."""
+        require(len(prompts) == len(params),
+                f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.add_request(prompt, p))
+        except ValueError as error:
+            for request_id in ids:
+                self.abort_request(request_id)
+            raise ValueError(f"prompt {len(ids)}: {error}") from error
+        return ids
+
+    def chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation (`{"role", "content"}` messages) rendered with the tokenizer's chat
+        template and tokenized, ready for the assistant's reply."""
+        require(self.tokenizer is not None and self.tokenizer.chat_template is not None,
+                "this model's tokenizer has no chat template: send plain prompts instead")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the model's chat template rejected the messages: {error}") from error
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""

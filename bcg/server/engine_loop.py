@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import jinja2
-
 from bcg.engine.llm_engine import LLMEngine
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
@@ -99,18 +97,22 @@ class EngineLoop:
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
                  outputs: asyncio.Queue) -> list[str]:
-        token_ids = [self._tokenize(p) for p in prompts]
-        ids: list[str] = []
-        try:
-            for index, (tokens, p) in enumerate(zip(token_ids, params, strict=True)):
-                ids.append(self.engine.add_request(tokens, p))
-                self._routes[ids[-1]] = _Route(outputs, index, _no_output_yet(ids[-1], tokens))
-        except ValueError:
-            self._abort(ids, count=False)  # never counted as requests either
-            raise
+        token_ids = self._token_ids(prompts)
+        ids = self.engine.add_requests(token_ids, params)
+        for index, (request_id, tokens) in enumerate(zip(ids, token_ids, strict=True)):
+            self._routes[request_id] = _Route(outputs, index, _no_output_yet(request_id, tokens))
         self.snapshot.num_requests += len(ids)
         self.snapshot.num_prompt_tokens += sum(len(t) for t in token_ids)
         return ids
+
+    def _token_ids(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Each prompt's token ids; a prompt repeated for n > 1 choices is the same object,
+        tokenized once."""
+        done: dict[int, list[int]] = {}
+        for prompt in prompts:
+            if id(prompt) not in done:
+                done[id(prompt)] = self._tokenize(prompt)
+        return [done[id(prompt)] for prompt in prompts]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -118,19 +120,8 @@ class EngineLoop:
                 raise ValueError("the prompt is empty")
             return self.engine.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
-            return self._apply_chat_template(prompt)
+            return self.engine.chat_token_ids(prompt)
         return list(prompt)
-
-    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True)
-        except jinja2.TemplateError as error:
-            raise ValueError(f"the model's chat template rejected the messages: {error}") from error
-        return tokenizer.encode(text, add_special_tokens=False)
 
     def _abort(
         self,
