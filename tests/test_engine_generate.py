@@ -235,3 +235,14 @@ def test_chat_without_a_chat_template_says_to_send_plain_prompts(llm):
     assert llm.engine.tokenizer is None or llm.engine.tokenizer.chat_template is None
     with pytest.raises(ValueError, match="no chat template: send plain prompts"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+
+
+def test_step_finished_only_reports_each_request_once_when_it_ends(llm, tiny):
+    engine = llm.engine
+    ids = engine.add_requests(PROMPTS, [GREEDY] * len(PROMPTS))
+    reported = []
+    while engine.has_unfinished_requests():
+        reported += engine.step(finished_only=True)
+    assert all(o.finished for o in reported)
+    assert sorted(o.request_id for o in reported) == sorted(ids)
+    assert [o.token_ids for o in sorted(reported, key=lambda o: ids.index(o.request_id))] == tiny[1]

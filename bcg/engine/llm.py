@@ -63,10 +63,9 @@ class LLM:
         with tqdm(total=num_requests, desc="Generating", disable=not use_tqdm,
                   dynamic_ncols=True) as bar:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+                for output in self.engine.step(finished_only=True):
+                    finished[output.request_id] = output
+                    bar.update(1)
                 stats = self.engine.stats
                 bar.set_postfix_str(f"prefill {stats.prefill_throughput:.0f} tok/s, "
                                     f"decode {stats.decode_throughput:.0f} tok/s", refresh=False)

@@ -149,16 +149,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one model step; return an output for each request that got a new token."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one model step; return an output for each request that got a new token, or
+        with `finished_only` for each request that finished: a caller that waits for whole
+        requests then skips copying every running request's tokens and text each step."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
         token_ids = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
         self._count(scheduled, time.perf_counter() - start)
-        sampled = self.scheduler.advance(scheduled)
-        return [self._append(seq, token) for seq, token in zip(sampled, token_ids, strict=True)]
+        outputs = []
+        for seq, token_id in zip(self.scheduler.advance(scheduled), token_ids, strict=True):
+            self._append(seq, token_id)
+            if seq.is_finished or not finished_only:
+                outputs.append(self._output(seq))
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+        return outputs
 
     def encode(self, text: str) -> list[int]:
         require(self.tokenizer is not None,
@@ -166,17 +174,13 @@ class LLMEngine:
                 "or name a tokenizer (tokenizer=... / --tokenizer)")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token_id: int) -> None:
         seq.append_token(token_id)
         detokenizer = self._requests[seq.request_id].detokenizer
         stopped_by_text = detokenizer is not None and detokenizer.add(token_id)
         reason = self._finish_reason(seq, token_id, stopped_by_text)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        output = self._output(seq)
-        if seq.is_finished:
-            del self._requests[seq.request_id]
-        return output
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped_by_text: bool) -> str | None:
         params = seq.sampling_params
