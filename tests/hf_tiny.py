@@ -79,7 +79,7 @@ class PagedHarness:
 
     def step(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[torch.Tensor]:
         for seq, n in zip(seqs, num_new_tokens, strict=True):
-            self.block_manager.allocate(seq, n)
+            assert self.block_manager.try_allocate(seq, n)
         batch = self.runner.prepare(seqs, num_new_tokens)
         with torch.inference_mode():
             logits = self.runner.model.compute_logits(self.runner.forward(batch)).float()

@@ -13,7 +13,7 @@ def seq(tokens: list[int], name: str = "s") -> Sequence:
 
 def compute(manager: BlockManager, s: Sequence, n: int) -> None:
     """What a step does to a sequence's blocks: allocate, compute, offer full blocks."""
-    manager.allocate(s, n)
+    assert manager.try_allocate(s, n)
     s.num_computed_tokens += n
     manager.cache_computed_blocks(s)
 
@@ -37,12 +37,13 @@ def test_allocation_covers_tokens_and_grows_one_block_at_a_time():
     assert len(s.block_table) == 4 and len(set(s.block_table)) == 4
 
 
-def test_can_allocate_counts_only_missing_blocks():
+def test_try_allocate_counts_only_missing_blocks_and_takes_nothing_when_short():
     manager = BlockManager(3, BLOCK)
     s = seq(list(range(20)))
-    assert manager.can_allocate(s, 12) and not manager.can_allocate(s, 13)
+    assert not manager.try_allocate(s, 13)
+    assert len(s.block_table) == 0 and manager.num_free_blocks == 3
     compute(manager, s, 12)
-    assert manager.num_blocks_needed(s, 0) == 0 and not manager.can_allocate(s, 1)
+    assert manager.num_blocks_needed(s, 0) == 0 and not manager.try_allocate(s, 1)
 
 
 def test_prefix_sharing_and_reference_counts():

@@ -46,7 +46,7 @@ def test_batch_tensors_start_16_byte_aligned(llm):
     seqs = [Sequence(str(i), list(range(1, 2 + i)), GREEDY) for i in range(3)]
     try:
         for seq in seqs:
-            engine.scheduler.block_manager.allocate(seq, seq.num_tokens)
+            assert engine.scheduler.block_manager.try_allocate(seq, seq.num_tokens)
         batch = engine.runner.prepare(seqs, [seq.num_tokens for seq in seqs])
     finally:  # the engine is shared with the other tests: give the blocks back
         for seq in seqs:

@@ -38,9 +38,6 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
-
     def try_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give `seq` blocks for its next `num_new_tokens` tokens if enough are free; return
         whether it did (nothing is taken otherwise). One check per sequence per step."""
@@ -50,11 +47,6 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_fresh_block())
         return True
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give `seq` blocks for its next `num_new_tokens` tokens; enough must be free."""
-        allocated = self.try_allocate(seq, num_new_tokens)
-        assert allocated, "allocate() without enough free blocks: check can_allocate() first"
 
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """Point a new sequence's first blocks at cached ones; return the tokens covered.
