@@ -274,7 +274,7 @@ def test_a_prompt_repeated_for_n_choices_is_tokenized_once():
     class CountingEngine:
         calls = 0
 
-        def encode(self, text):
+        def tokenize(self, text):
             CountingEngine.calls += 1
             return [ord(c) for c in text]
 

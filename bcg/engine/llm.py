@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from bcg.config import EngineConfig, require
+from bcg.config import EngineConfig
 from bcg.engine.llm_engine import LLMEngine
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
@@ -84,9 +84,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 def _as_params_list(
     params: SamplingParams | Sequence[SamplingParams] | None, count: int
 ) -> list[SamplingParams]:
+    """One `SamplingParams` (or None, the defaults) for every prompt; a sequence is taken as is
+    (`LLMEngine.add_requests` checks that it has one per prompt)."""
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count
-    params = list(params)
-    require(len(params) == count,
-            f"got {len(params)} sampling params for {count} prompts: pass one, or one per prompt")
-    return params
+    return list(params)

@@ -95,7 +95,7 @@ class LLMEngine:
         if request_id is None:
             request_id = next(i for i in map(str, self._request_counter) if i not in self._requests)
         require(request_id not in self._requests, f"request id {request_id!r} is already in use")
-        token_ids = self._tokenize(prompt)
+        token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids)
         generator = None
         if sampling_params.seed is not None:
@@ -117,7 +117,8 @@ class LLMEngine:
         """Queue one request per (prompt, params), all or none: on bad input, drop the ones
         already queued and raise ValueError naming the first bad prompt's index."""
         require(len(prompts) == len(params),
-                f"got {len(params)} sampling params for {len(prompts)} prompts")
+                f"got {len(params)} sampling params for {len(prompts)} prompts: pass one per "
+                "prompt")
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -204,7 +205,8 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: text is encoded, token ids are checked and copied."""
         if isinstance(prompt, str):
             require(prompt != "", "the prompt is empty")
             return self.encode(prompt)

@@ -115,13 +115,9 @@ class EngineLoop:
         return [done[id(prompt)] for prompt in prompts]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return self.engine.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             return self.engine.chat_token_ids(prompt)
-        return list(prompt)
+        return self.engine.tokenize(prompt)
 
     def _abort(
         self,
