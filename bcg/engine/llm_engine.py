@@ -169,11 +169,17 @@ class LLMEngine:
                 del self._requests[seq.request_id]
         return outputs
 
-    def encode(self, text: str) -> list[int]:
-        require(self.tokenizer is not None,
-                "this model has no tokenizer (a preset with dummy weights): pass token ids, "
-                "or name a tokenizer (tokenizer=... / --tokenizer)")
-        return self.tokenizer.encode(text, add_special_tokens=True)
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: text is encoded, token ids are checked and copied."""
+        if isinstance(prompt, str):
+            require(prompt != "", "the prompt is empty")
+            require(self.tokenizer is not None,
+                    "this model has no tokenizer (a preset with dummy weights): pass token ids, "
+                    "or name a tokenizer (tokenizer=... / --tokenizer)")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        require(isinstance(prompt, list | tuple) and all(is_int(t) for t in prompt),
+                "a prompt must be a string or a list of token ids (int)")
+        return list(prompt)
 
     def _append(self, seq: Sequence, token_id: int) -> None:
         seq.append_token(token_id)
@@ -204,15 +210,6 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
         )
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids: text is encoded, token ids are checked and copied."""
-        if isinstance(prompt, str):
-            require(prompt != "", "the prompt is empty")
-            return self.encode(prompt)
-        require(isinstance(prompt, list | tuple) and all(is_int(t) for t in prompt),
-                "a prompt must be a string or a list of token ids (int)")
-        return list(prompt)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         require(len(token_ids) > 0, "the prompt is empty")
