@@ -39,21 +39,14 @@ from bcg.config import EngineConfig  # noqa: E402
 from bcg.layers.embedding import LMHead  # noqa: E402
 from bcg.layers.linear import Linear  # noqa: E402
 from bcg.loader.model_source import resolve_model  # noqa: E402
-from bcg.runner.graph_setup import build_graph_runners  # noqa: E402
+from bcg.runner.batch import SyntheticSequence  # noqa: E402
 from bcg.runner.model_runner import ModelRunner  # noqa: E402
+from bcg.runner.prefill_graph import PrefillGraphRunner  # noqa: E402
+from bcg.utils import cdiv  # noqa: E402
 
 BATCH_SIZES = (1, 4, 16)
 TOKENS = (16, 64, 256, 1024, 4096)
 MAX_MODEL_LEN = 4096
-
-
-@dataclasses.dataclass
-class _Sequence:
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed_tokens: int = 0
-    sampling_params: None = None
-    generator: None = None
 
 
 def make_runner(model: str) -> tuple[ModelRunner, EngineConfig]:
@@ -72,9 +65,9 @@ def make_runner(model: str) -> tuple[ModelRunner, EngineConfig]:
 
 def make_batch(runner: ModelRunner, batch: int, tokens: int):
     per_seq = tokens // batch
-    blocks = -(-per_seq // runner.block_size)
+    blocks = cdiv(per_seq, runner.block_size)
     seqs = [
-        _Sequence(
+        SyntheticSequence(
             [(7 * i + s) % 1000 for i in range(per_seq)], list(range(s * blocks, (s + 1) * blocks))
         )
         for s in range(batch)
@@ -137,9 +130,8 @@ def bench_model(model: str, floors: dict) -> tuple[list[dict], list[dict]]:
     weight_floor_ms = decode_weight_bytes(runner.model) / (floors["hbm_gbs"] * 1e9) * 1e3
     graph_runners, startup = {"eager": []}, []
     for mode in ("breakable", "piecewise"):
-        _, prefill = build_graph_runners(
-            runner, dataclasses.replace(config, prefill_graph=mode), MAX_MODEL_LEN
-        )
+        prefill = PrefillGraphRunner.from_config(
+            runner.stack_spec, dataclasses.replace(config, prefill_graph=mode))
         prefill.capture_all()
         graph_runners[mode] = [prefill]
         startup.append({"model": model, "mode": mode, "capture_s": prefill.capture_seconds,

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bcg.layers.attention import Attention, paged_attention
-from bcg.runner.context import ForwardContext, set_forward_context
-from bcg.runner.forward_batch import ForwardBatch
-from bcg.runner.kv_cache import KVCache
+from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
+from bcg.layers.attention import Attention
+from bcg.layers.attention_backend import ReferenceAttention, TritonAttention
 from tests.test_kernels_support import kernels_skip_reason  # loads bcg.kernels before triton
 
 BLOCK, KV_HEADS, HEADS, DIM = 4, 2, 4, 16
@@ -56,15 +55,14 @@ def reference(batch: ForwardBatch, cache: KVCache, q, k, v) -> tuple[torch.Tenso
     """Output and cache after the reference path runs on a copy of `cache`."""
     copy = KVCache(1, cache.num_blocks, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
     copy.storage.copy_(cache.storage)
-    return run(batch, copy, q, k, v, use_kernels=False), copy
+    return run(batch, copy, q, k, v, ReferenceAttention()), copy
 
 
-def run(batch: ForwardBatch, cache: KVCache, q, k, v, use_kernels: bool) -> torch.Tensor:
-    out = torch.empty_like(q)
-    k_cache, v_cache = cache.layer(0)
-    paged_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch, DIM**-0.5, out,
-                    use_kernels=use_kernels)
-    return out
+def run(batch: ForwardBatch, cache: KVCache, q, k, v, backend) -> torch.Tensor:
+    """The attention layer's output on `batch` through `backend`."""
+    context = ForwardContext(batch, cache, backend, backend.metadata(batch))
+    with set_forward_context(context):
+        return Attention(0, HEADS, KV_HEADS, DIM)(q, k, v)
 
 
 def test_padded_rows_are_neither_read_nor_cached():
@@ -72,9 +70,7 @@ def test_padded_rows_are_neither_read_nor_cached():
     n = batch.num_tokens
     q, k, v = qkv(n, padding=5)
     expected, expected_cache = reference(batch, cache, q[:n], k[:n], v[:n])
-    layer = Attention(0, HEADS, KV_HEADS, DIM)
-    with set_forward_context(ForwardContext(batch, cache, [layer.scale])):
-        output = layer(q, k, v)
+    output = run(batch, cache, q, k, v, ReferenceAttention())
     assert torch.equal(cache.storage, expected_cache.storage)
     assert torch.equal(output[:n], expected)
 
@@ -99,27 +95,32 @@ def test_kernels_match_the_reference(prefix_lens, new_lens):
     batch, cache = make_batch(prefix_lens, new_lens)
     q, k, v = qkv(batch.num_tokens)
     expected, expected_cache = reference(batch, cache, q, k, v)
-    out = run(batch, cache, q, k, v, use_kernels=True)
+    out = run(batch, cache, q, k, v, TritonAttention(HEADS, KV_HEADS, DIM, q.device))
     assert torch.equal(cache.storage, expected_cache.storage)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_reference_path_runs_without_triton():
-    """A CPU-only install has no Triton: the op still imports, and the reference path runs."""
+    """A CPU-only install has no Triton: the layers still import, the CPU gets the reference
+    backend, and asking for CUDA says what to install."""
     script = """
 import sys
 sys.modules["triton"] = None  # `import triton` now raises ImportError
-import bcg.layers.attention as op
+import torch
+from bcg.layers import triton_ops
+from bcg.layers.attention_backend import ReferenceAttention, attention_backend
 from tests.test_attention_op import make_batch, qkv, run
-assert op.store_kv_kernel is op.decode_attention is op.extend_attention is None
+assert not triton_ops.HAVE_TRITON
+backend = attention_backend(torch.device("cpu"), 4, 2, 16)
+assert isinstance(backend, ReferenceAttention)
 batch, cache = make_batch([5, 0], [3, 1])
-assert run(batch, cache, *qkv(batch.num_tokens), use_kernels=False).isfinite().all()
+assert run(batch, cache, *qkv(batch.num_tokens), backend).isfinite().all()
 try:
-    run(batch, cache, *qkv(batch.num_tokens), use_kernels=True)
+    attention_backend(torch.device("cuda"), 4, 2, 16)
 except RuntimeError as error:
     assert "pip install triton" in str(error)
 else:
-    raise AssertionError("the kernel path ran without Triton")
+    raise AssertionError("a CUDA backend was chosen without Triton")
 """
     repo_root = Path(__file__).parent.parent
     subprocess.run([sys.executable, "-c", script], cwd=repo_root, check=True, timeout=120)

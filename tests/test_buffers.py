@@ -1,4 +1,4 @@
-"""CPU tests of the declarative input-buffer registry (`bcg.graph.buffers`).
+"""CPU tests of the declarative input-buffer registry (`bcg.graph.registry`).
 
 Every test poisons the static buffers first (POISON) so that what a fill leaves in each
 tail proves what the padding policy did. Tests on the meta device (no data) check which
@@ -15,13 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
-from bcg.graph.buffers import (
-    MAX_CACHED_PLANS,
-    FillContext,
-    GraphBufferRegistry,
-    GraphSlot,
-    PaddingPolicy,
-)
+from bcg.graph.registry import MAX_CACHED_PLANS, GraphBufferRegistry
+from bcg.graph.slots import FillContext, GraphSlot, PaddingPolicy
 
 POISON = 99
 MAX_BS = 6

@@ -2,8 +2,9 @@
 
 import torch
 
-from bcg.runner.forward_batch import ForwardBatch
-from bcg.runner.graph_registry import build_decode_registry, build_prefill_registry
+from bcg.forward import ForwardBatch
+from bcg.runner.decode_graph import build_decode_registry
+from bcg.runner.prefill_graph import build_prefill_registry
 
 
 def decode_batch(seq_lens: list[int], blocks: int) -> ForwardBatch:

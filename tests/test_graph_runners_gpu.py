@@ -9,6 +9,7 @@ run on both sides, so all but the compiled (piecewise) stack agree far closer.
 import pytest
 import torch
 
+from bcg.runner.graph_verify import verify_graphs
 from tests.hf_tiny import VOCAB, PagedHarness, relative_error, save_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -89,7 +90,8 @@ def test_mixed_prefill_and_decode_steps(folder, mode):
 
 
 def test_every_bucket_replays_in_random_order_like_eager(folder):
-    h = harness(folder, "full+breakable", verify_graphs=True)  # raises on any mismatch
+    h = harness(folder, "full+breakable")
+    verify_graphs(h.runner)  # raises on any mismatch
     assert {r.kind for r in h.runner.graph_runners} == {"decode", "prefill"}
     assert all(r.pool_bytes > 0 and r.capture_seconds > 0 for r in h.runner.graph_runners)
 

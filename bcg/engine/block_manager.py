@@ -12,6 +12,7 @@ from array import array
 from collections import OrderedDict
 
 from bcg.engine.sequence import Sequence
+from bcg.utils import cdiv
 
 
 class Block:
@@ -36,7 +37,7 @@ class BlockManager:
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return max(0, cdiv(total, self.block_size) - len(seq.block_table))
 
     def try_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give `seq` blocks for its next `num_new_tokens` tokens if enough are free; return

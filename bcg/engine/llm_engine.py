@@ -25,6 +25,7 @@ from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
 from bcg.loader.model_source import resolve_model
 from bcg.loader.tokenizer import load_tokenizer
+from bcg.runner.graph_verify import verify_graphs
 from bcg.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, source, self.max_model_len)
+        if config.verify_graphs and self.runner.graph_runners:
+            verify_graphs(self.runner)
         block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )

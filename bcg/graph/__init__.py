@@ -5,7 +5,6 @@ This layer depends on torch only and knows nothing about language models.
 
 from bcg.graph.breaks import break_graph, eager_on_graph, fork_stream
 from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
-from bcg.graph.buffers import FillContext, GraphBufferRegistry, GraphSlot, PaddingPolicy
 from bcg.graph.capture import BreakableCUDAGraphCapture, current_capture
 from bcg.graph.context import (
     enable_breakable_cuda_graph,
@@ -15,6 +14,8 @@ from bcg.graph.context import (
 )
 from bcg.graph.copy_output import copy_output
 from bcg.graph.graph import BreakableCUDAGraph, GraphReplayError
+from bcg.graph.registry import GraphBufferRegistry
+from bcg.graph.slots import FillContext, GraphSlot, PaddingPolicy
 
 __all__ = [
     "BreakableCUDAGraph",

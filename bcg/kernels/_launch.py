@@ -24,11 +24,6 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division on the host (``triton.cdiv`` costs microseconds per host call)."""
-    return -(-a // b)
-
-
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n, for n >= 1 (host-side, cheap)."""
     return 1 << (n - 1).bit_length()

@@ -8,9 +8,9 @@ import triton.language as tl
 
 from bcg.kernels._launch import (
     CachedLauncher,
-    cdiv,
     require_last_dim_contiguous,
 )
+from bcg.utils import cdiv
 
 BLOCK = 1024
 

@@ -21,10 +21,10 @@ from bcg.kernels._launch import (
     PROGRAMS_PER_SM,
     CachedLauncher,
     DeviceConfigs,
-    cdiv,
     multiprocessor_count,
     next_power_of_2,
 )
+from bcg.utils import cdiv
 
 # Past this, merge work and per-split overhead outweigh the extra parallelism (on an H100,
 # 32 to 128 splits of one 32k sequence run within 5% of each other).

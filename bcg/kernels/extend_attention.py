@@ -25,8 +25,8 @@ from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_attention
 from bcg.kernels._launch import (
     CachedLauncher,
     DeviceConfigs,
-    cdiv,
 )
+from bcg.utils import cdiv
 
 
 @dataclass(frozen=True)

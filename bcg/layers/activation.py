@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bcg.layers import fused
-from bcg.layers.fused import use_fused_kernels
+from bcg.layers import triton_ops
+from bcg.layers.triton_ops import use_fused_kernels
 
 
 class SiluAndMul(nn.Module):
@@ -15,6 +15,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused_kernels(x):
-            return fused.silu_and_mul(x)
+            return triton_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

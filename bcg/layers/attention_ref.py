@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from bcg.utils import cdiv
+
 
 def store_kv(
     k: torch.Tensor,
@@ -59,7 +61,7 @@ def _gather_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = k_cache.shape[1]
-    blocks = block_table[: -(-seq_len // block_size)].long()
+    blocks = block_table[: cdiv(seq_len, block_size)].long()
     k = k_cache[blocks].flatten(0, 1)[:seq_len]
     v = v_cache[blocks].flatten(0, 1)[:seq_len]
     return k, v

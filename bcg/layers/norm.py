@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bcg.layers import fused
-from bcg.layers.fused import use_fused_kernels
+from bcg.layers import triton_ops
+from bcg.layers.triton_ops import use_fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused_kernels(x):
-            return fused.rms_norm(x, self.weight, self.eps)
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32, scale in the input dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -29,6 +29,6 @@ class RMSNorm(nn.Module):
         """Return `(norm(x + residual), x + residual)`: the new hidden state and residual.
         With the fused kernel the sum is written into `residual` in place."""
         if use_fused_kernels(x):
-            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual

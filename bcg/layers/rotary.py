@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from bcg.layers import fused
-from bcg.layers.fused import use_fused_kernels
+from bcg.layers import triton_ops
 from bcg.layers.norm import RMSNorm
+from bcg.layers.triton_ops import use_fused_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -40,7 +40,7 @@ class RotaryEmbedding(nn.Module):
         if use_fused_kernels(q):
             weights = None if norms is None else (norms[0].weight, norms[1].weight)
             eps = 0.0 if norms is None else norms[0].eps
-            fused.apply_rotary(q, k, positions, self.cos, self.sin, weights, eps)
+            triton_ops.apply_rotary(q, k, positions, self.cos, self.sin, weights, eps)
             return q, k
         if norms is not None:
             q, k = norms[0](q), norms[1](k)

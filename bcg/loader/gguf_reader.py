@@ -18,6 +18,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from bcg.utils import cdiv
+
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
@@ -50,7 +52,7 @@ class GGUFFile:
             self.metadata[key] = self._value(self._unpack("<I")[0])
         infos = [self._tensor_info() for _ in range(num_tensors)]
         alignment = self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-        data_start = -(-self._pos // alignment) * alignment
+        data_start = cdiv(self._pos, alignment) * alignment
         self.tensors = [GGUFTensor(n, q, s, data_start + o) for n, q, s, o in infos]
 
     def dequantized(self, tensor: GGUFTensor) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Graph runners: the model's transformer stack captured once per bucket, replayed per step.
+"""The base of the graph runners: the model's transformer stack captured once per bucket,
+replayed per step. `decode_graph.py` and `prefill_graph.py` hold the two kinds.
 
 A runner owns static input buffers (a `GraphBufferRegistry`), one captured graph per bucket
 and the bucket's output tensor. `run(batch)` copies the live batch into the buffers, sets
@@ -19,7 +20,6 @@ through the same buffers, padding and replay path).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import gc
 import logging
 import time
@@ -30,15 +30,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bcg.forward import ForwardBatch, ForwardContext, set_forward_context
 from bcg.graph import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     eager_on_graph,
     enable_breakable_cuda_graph,
 )
-from bcg.runner.context import ForwardContext, set_forward_context
-from bcg.runner.forward_batch import ForwardBatch
-from bcg.runner.graph_registry import build_decode_registry, build_prefill_registry
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +54,12 @@ class StackSpec:
     device: torch.device
     hidden_size: int
     dtype: torch.dtype
+    block_size: int  # of the KV cache
+
+
+def graph_mode(requested: str, debug: bool) -> str:
+    """The mode a runner kind captures in: debug mode replaces every mode but "none"."""
+    return "debug" if debug and requested != "none" else requested
 
 
 @dataclass
@@ -187,118 +191,3 @@ class GraphRunner:
 
     def capture_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         raise NotImplementedError
-
-
-def empty_batch(device: torch.device, max_blocks_per_seq: int) -> ForwardBatch:
-    """A batch of no sequences: filling buffers from it leaves every row as padding."""
-    ints = lambda dtype, *shape: torch.zeros(shape, dtype=dtype, device=device)
-    return ForwardBatch(
-        input_ids=ints(torch.int64, 0),
-        positions=ints(torch.int64, 0),
-        slot_mapping=ints(torch.int64, 0),
-        cu_seqlens_q=ints(torch.int32, 1),
-        seq_lens=ints(torch.int32, 0),
-        block_tables=ints(torch.int32, 0, max_blocks_per_seq),
-        sample_indices=ints(torch.int64, 0),
-        num_tokens=0,
-        num_seqs=0,
-        max_seqlen_q=1,
-        max_seq_len=0,
-    )
-
-
-class DecodeGraphRunner(GraphRunner):
-    """Batch-size buckets; attention reads the static buffers (inside the graph when "full")."""
-
-    kind = "decode"
-
-    def __init__(
-        self,
-        spec: StackSpec,
-        mode: str,
-        buckets: list[int],
-        max_blocks_per_seq: int,
-        max_seq_len: int,
-        pool: Any = None,
-    ) -> None:
-        super().__init__(spec, mode, buckets, pool)
-        self.max_blocks_per_seq, self.max_seq_len = max_blocks_per_seq, max_seq_len
-        self.registry = build_decode_registry(self.device, self.max_size, max_blocks_per_seq)
-        self._empty = empty_batch(self.device, max_blocks_per_seq)
-
-    def size_of(self, batch: ForwardBatch) -> int | None:
-        fits = batch.is_decode and batch.block_tables.shape[1] <= self.max_blocks_per_seq
-        return batch.num_seqs if fits else None
-
-    def fill(self, batch: ForwardBatch, bucket: int) -> None:
-        self.registry.fill_from(
-            batch,
-            raw_bs=batch.num_seqs,
-            padded_bs=bucket,
-            raw_num_tokens=batch.num_tokens,
-            padded_num_tokens=bucket,
-        )
-
-    def replay_context(self, batch: ForwardBatch, captured: CapturedStack) -> ForwardContext:
-        return captured.context
-
-    def capture_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        self.registry.fill_from(
-            self._empty, raw_bs=0, padded_bs=size, raw_num_tokens=0, padded_num_tokens=size
-        )
-        static = self.registry.extract_buffer(
-            padded_bs=size, padded_num_tokens=size, template=self._empty
-        )
-        static = dataclasses.replace(
-            static, num_tokens=size, num_seqs=size, max_seq_len=self.max_seq_len
-        )
-        return static.input_ids, static.positions, self.make_context(static)
-
-
-class PrefillGraphRunner(GraphRunner):
-    """Token-count buckets; attention is a break reading the live batch, so any mix fits."""
-
-    kind = "prefill"
-
-    def __init__(
-        self, spec: StackSpec, mode: str, buckets: list[int], block_size: int, pool: Any = None
-    ) -> None:
-        super().__init__(spec, mode, buckets, pool)
-        self.block_size = block_size
-        self.registry = build_prefill_registry(self.device, self.max_size)
-
-    def size_of(self, batch: ForwardBatch) -> int | None:
-        return batch.num_tokens
-
-    def fill(self, batch: ForwardBatch, bucket: int) -> None:
-        self.registry.fill_from(
-            batch, raw_bs=0, padded_bs=0, raw_num_tokens=batch.num_tokens, padded_num_tokens=bucket
-        )
-
-    def replay_context(self, batch: ForwardBatch, captured: CapturedStack) -> ForwardContext:
-        return self.make_context(batch)
-
-    def capture_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        static = self.registry.extract_buffer(
-            padded_bs=1, padded_num_tokens=size, template=self._capture_batch(size)
-        )
-        return static.input_ids, static.positions, self.make_context(static)
-
-    def _capture_batch(self, size: int) -> ForwardBatch:
-        """One sequence of `size` new tokens whose keys and values are never stored (slot -1):
-        attention runs at capture on block 0 and its output is thrown away."""
-        ints = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)
-        num_blocks = -(-size // self.block_size)
-        return ForwardBatch(
-            input_ids=ints([0] * size, torch.int64),
-            positions=ints(range(size), torch.int64),
-            slot_mapping=ints([-1] * size, torch.int64),
-            cu_seqlens_q=ints([0, size], torch.int32),
-            seq_lens=ints([size], torch.int32),
-            block_tables=ints([[0] * num_blocks], torch.int32),
-            sample_indices=ints([size - 1], torch.int64),
-            num_tokens=size,
-            num_seqs=1,
-            max_seqlen_q=size,
-            max_seq_len=size,
-        )

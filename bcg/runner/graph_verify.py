@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-from bcg.runner.forward_batch import ForwardBatch
+from bcg.forward import ForwardBatch
+from bcg.runner.batch import SyntheticSequence
 from bcg.runner.graph_runner import GraphRunner
-
-if TYPE_CHECKING:
-    from bcg.runner.model_runner import ModelRunner
+from bcg.runner.model_runner import ModelRunner
+from bcg.utils import cdiv
 
 logger = logging.getLogger(__name__)
 # max |graph - eager| / max |eager| over the live rows. Same kernels on both sides agree
@@ -29,22 +28,11 @@ MAX_PREFIX = 48
 
 
 @dataclass
-class _Sequence:
-    """Just enough of a scheduled sequence for `ModelRunner.prepare`."""
-
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    sampling_params: None = None
-    generator: None = None
-
-
-@dataclass
 class _BlockCursor:
     """Hands out cache blocks in order; at start-up they are all free."""
 
     num_blocks: int
-    next_block: int = field(default=0)
+    next_block: int = 0
 
     def take(self, count: int) -> list[int]:
         if self.next_block + count > self.num_blocks:
@@ -55,7 +43,8 @@ class _BlockCursor:
 
 
 def verify_graphs(runner: ModelRunner, seed: int = 0) -> None:
-    """Compare every bucket of every graph runner with eager, in random order."""
+    """Compare every bucket of every graph runner of `runner` with eager, in random order
+    (its caller runs this once the runner is built and its graphs captured)."""
     rng = random.Random(seed)
     checks = [(graph, bucket) for graph in runner.graph_runners for bucket in graph.buckets]
     rng.shuffle(checks)
@@ -88,14 +77,14 @@ def _fresh_batch(runner: ModelRunner, graph: GraphRunner, bucket: int, rng: rand
     if graph.kind == "decode":
         new_tokens = [1] * size
     else:
-        fewest = -(-size // max(1, max_len - MAX_PREFIX))  # no sequence past max_model_len
+        fewest = cdiv(size, max(1, max_len - MAX_PREFIX))  # no sequence past max_model_len
         new_tokens = _split(size, max(fewest, rng.randint(1, min(4, size))))
     seqs = []
     for n in new_tokens:
         prefix = rng.randint(0, min(MAX_PREFIX, max_len - n))
         tokens = [rng.randrange(vocab) for _ in range(prefix + n)]
-        blocks = cursor.take(-(-(prefix + n) // runner.block_size))
-        seqs.append(_Sequence(tokens, prefix, blocks))
+        blocks = cursor.take(cdiv(prefix + n, runner.block_size))
+        seqs.append(SyntheticSequence(tokens, blocks, num_computed_tokens=prefix))
     return runner.prepare(seqs, new_tokens)
 
 

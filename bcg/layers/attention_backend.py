@@ -1,0 +1,88 @@
+"""Attention backends: the arithmetic of paged attention, chosen once when the engine starts.
+
+A backend stores the new keys and values of a step's live tokens into the paged cache and
+writes their causal attention over each sequence (cached prefix + new tokens) into an
+output. It owns the metadata every layer of a step reuses (`metadata(batch)`, built by the
+runner once per step or once per decode graph bucket and carried in the forward context),
+so no layer allocates its own. `TritonAttention` runs our kernels on CUDA;
+`ReferenceAttention` is plain PyTorch (the CPU path and the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+import torch
+
+from bcg.forward import ForwardBatch, ForwardContext
+from bcg.layers import triton_ops
+from bcg.layers.attention_ref import paged_attention_ref
+from bcg.layers.attention_ref import store_kv as store_kv_ref
+
+
+class AttentionLayer(Protocol):
+    layer_id: int  # which layer's KV cache to use
+    scale: float  # softmax scale
+
+
+class AttentionBackend(ABC):
+    def metadata(self, batch: ForwardBatch) -> Any:
+        """What every layer reuses while the stack runs on `batch` (None: nothing)."""
+        return None
+
+    @abstractmethod
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, out: torch.Tensor, context: ForwardContext) -> None:
+        """q, out `[T, H, D]`, k, v `[T, KVH, D]`, T = the batch's live token count: store
+        k, v at `context.batch.slot_mapping`, then write the attention of q into `out`."""
+
+
+class ReferenceAttention(AttentionBackend):
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, out: torch.Tensor, context: ForwardContext) -> None:
+        batch = context.batch
+        k_cache, v_cache = context.kv_cache.layer(layer.layer_id)
+        store_kv_ref(k, v, k_cache, v_cache, batch.slot_mapping[: batch.num_tokens])
+        paged_attention_ref(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
+                            batch.block_tables, layer.scale, out=out)
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.device = device
+        self._decode_plans: dict[int, Any] = {}
+
+    def metadata(self, batch: ForwardBatch) -> Any:
+        """The decode kernel's split count and workspace for a decode batch: one per
+        power-of-two batch size, shared by all layers and steps (and by the decode graphs
+        of that size, which never replay at once)."""
+        if not batch.is_decode:
+            return None
+        size = 1 << (batch.num_seqs - 1).bit_length()
+        if size not in self._decode_plans:
+            self._decode_plans[size] = triton_ops.plan_decode(
+                size, self.num_heads, self.num_kv_heads, self.head_dim, self.device)
+        return self._decode_plans[size]
+
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, out: torch.Tensor, context: ForwardContext) -> None:
+        batch = context.batch
+        k_cache, v_cache = context.kv_cache.layer(layer.layer_id)
+        triton_ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping[: batch.num_tokens])
+        if batch.is_decode:
+            triton_ops.decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables,
+                                        layer.scale, out=out, plan=context.attention_metadata)
+        else:
+            triton_ops.extend_attention(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
+                                        batch.block_tables, layer.scale, out=out)
+
+
+def attention_backend(device: torch.device, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> AttentionBackend:
+    """Triton's kernels on CUDA, the PyTorch reference elsewhere."""
+    if triton_ops.uses_triton(device):
+        return TritonAttention(num_heads, num_kv_heads, head_dim, device)
+    return ReferenceAttention()

@@ -1,0 +1,116 @@
+"""Scheduled sequences in, one `ForwardBatch` out: the host side of every step.
+
+The runner knows sequences only through `ScheduledSequence`. `SyntheticSequence` is the one
+stand-in for a sequence at start-up (graph capture, the activation profile, verification,
+benchmarks): a prompt with a block table and nothing else.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from bcg.forward import ForwardBatch
+
+ALIGN_BYTES = 16  # Triton's pointer specialisation: every batch tensor starts on this
+
+
+class SamplingOptions(Protocol):
+    temperature: float
+    top_k: int  # 0 or less = off
+    top_p: float
+
+
+class ScheduledSequence(Protocol):
+    token_ids: list[int]
+    num_computed_tokens: int  # tokens whose K/V are already in the cache
+    block_table: array | list[int]  # array('i') (copied fastest) or a list of ints
+    sampling_params: SamplingOptions
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class TopPSampling:
+    """Sampling that takes the sampler's longest path (the activation profile's)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.9
+
+
+@dataclass
+class SyntheticSequence:
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int = 0
+    sampling_params: SamplingOptions = field(default_factory=TopPSampling)
+    generator: None = None
+
+
+def samples_this_step(seq: ScheduledSequence, num_new_tokens: int) -> bool:
+    """A sequence samples once its last known token is computed (not after a partial chunk)."""
+    return seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
+
+
+def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_size: int,
+                device: torch.device, store_kv: bool = True) -> ForwardBatch:
+    """The next `num_new_tokens` of each sequence as one batch on `device`. With `store_kv`
+    False every cache slot is -1: attention reads the cache but writes nothing to it."""
+    # Built in `array`s and sent as two buffers (int64, int32): Python lists and one tensor
+    # per field cost milliseconds per step at hundreds of sequences.
+    input_ids, positions, slots, sample_indices = (array("q") for _ in range(4))
+    cu_seqlens_q, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
+    max_blocks = max((len(seq.block_table) for seq in seqs), default=0)
+    padding = array("i", [-1]) * max_blocks
+    for seq, n in zip(seqs, num_new_tokens, strict=True):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        if store_kv:
+            table = seq.block_table
+            slots.extend([table[p // block_size] * block_size + p % block_size
+                          for p in range(start, end)])
+        cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+        seq_lens.append(end)
+        if samples_this_step(seq, n):
+            sample_indices.append(cu_seqlens_q[-1] - 1)
+        block_tables.extend(seq.block_table)
+        block_tables.extend(padding[: max_blocks - len(seq.block_table)])
+    if not store_kv:
+        slots = array("q", [-1]) * len(input_ids)
+    longs = _upload([input_ids, positions, slots, sample_indices], torch.int64, device)
+    ints = _upload([cu_seqlens_q, seq_lens, block_tables], torch.int32, device)
+    return ForwardBatch(
+        input_ids=longs[0],
+        positions=longs[1],
+        slot_mapping=longs[2],
+        sample_indices=longs[3],
+        cu_seqlens_q=ints[0],
+        seq_lens=ints[1],
+        block_tables=ints[2].view(len(seqs), max_blocks),
+        num_tokens=len(input_ids),
+        num_seqs=len(seqs),
+        max_seqlen_q=max(num_new_tokens, default=1),
+        max_seq_len=max(seq_lens, default=0),
+    )
+
+
+def _upload(parts: list[array], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """`parts` (one typecode, matching `dtype`) as device tensors: one host buffer, one copy,
+    views into it. Each view starts 16-byte aligned: kernels specialise on pointer alignment,
+    and a misaligned one misses the launch cache (a compile, then a slow launch every step)."""
+    flat = array(parts[0].typecode)
+    align = ALIGN_BYTES // flat.itemsize
+    offsets = []
+    for part in parts:
+        offsets.append(len(flat))
+        flat.extend(part)
+        flat.extend(array(flat.typecode, [0]) * (-len(flat) % align))
+    host = torch.frombuffer(flat, dtype=dtype) if flat else torch.empty(0, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True)
+    return [on_device[o : o + len(p)] for o, p in zip(offsets, parts, strict=True)]
