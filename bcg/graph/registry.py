@@ -11,18 +11,9 @@ from typing import Any
 
 import torch
 
+from bcg.graph import fill_plan
 from bcg.graph.buffer_pool import normalize_device, share_buffer
-from bcg.graph.fill_plan import (
-    CopyGroup,
-    FillPlan,
-    Head,
-    Reset,
-    copy_group,
-    element_range,
-    group_for,
-    head_meets_tail,
-    ranges_meet,
-)
+from bcg.graph.fill_plan import FillPlan, Head, Reset, copy_group
 from bcg.graph.slots import RESET_POLICIES, FillContext, GraphSlot, PaddingPolicy, SourceFn
 
 # Fill plans kept per registry; a plan holds a few views per slot, so this bounds memory.
@@ -214,13 +205,13 @@ class GraphBufferRegistry:
         """Check the sizes and sources, then slice every view one fill writes or reads."""
         self._check_sizes(*sizes)
         raw_bs, padded_bs, raw_num_tokens, padded_num_tokens = sizes
-        groups: dict[tuple, CopyGroup] = {}
+        groups: dict[tuple, fill_plan.CopyGroup] = {}
         landed: dict[str, tuple[torch.Size, torch.Tensor]] = {}  # name: (source shape, view)
         for index, (head, src) in enumerate(zip(self._heads, sources, strict=True)):
             if src is not None:
                 view = head.view_for(src)
                 landed[head.slot.name] = (src.shape, view)
-                group = group_for(groups, head.kind, src.dtype, view)
+                group = fill_plan.group_for(groups, head.kind, src.dtype, view)
                 group.dsts.append(view)
                 group.source_indices.append(index)
         # Every head is grouped before any tail: a group lists its head copies first.
@@ -234,10 +225,10 @@ class GraphBufferRegistry:
                 tail = slot.span(raw, padded)
                 # A head may run past `raw` (e.g. cu_seqlens, raw_bs + 1 entries); where it
                 # meets the tail it must win, so that tail is reset before the copies.
-                if self._aliased or head_meets_tail(slot, landed.get(slot.name), tail, raw):
+                if self._aliased or fill_plan.head_meets_tail(slot, landed.get(slot.name), tail, raw):
                     lone_resets.append((tail, reset.value))
                 else:
-                    group = group_for(groups, reset.kind, slot.dtype, tail)
+                    group = fill_plan.group_for(groups, reset.kind, slot.dtype, tail)
                     group.dsts.append(tail)
                     group.pads.append(reset.pad_view(tail, raw, padded))
         hooks = [(slot, slot.slice_for(padded_bs, padded_num_tokens)) for slot in self._hooked]
@@ -248,10 +239,10 @@ def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two buffers may share bytes (meta tensors have no memory to share)."""
     if a.device != b.device or a.device.type == "meta":
         return False
-    (a_first, a_stop), (b_first, b_stop) = element_range(a), element_range(b)
+    (a_first, a_stop), (b_first, b_stop) = fill_plan.element_range(a), fill_plan.element_range(b)
     a_bytes = (a.data_ptr(), a.data_ptr() + (a_stop - a_first) * a.element_size())
     b_bytes = (b.data_ptr(), b.data_ptr() + (b_stop - b_first) * b.element_size())
-    return ranges_meet(a_bytes, b_bytes)
+    return fill_plan.ranges_meet(a_bytes, b_bytes)
 
 
 def _check_bind(

@@ -21,66 +21,37 @@ from bcg.runner.buckets import DECODE_BATCH_SIZES, ladder
 from bcg.runner.graph_runner import CapturedStack, GraphRunner, StackSpec, graph_mode
 from bcg.utils import cdiv
 
-ZERO = PaddingPolicy.ZERO
-SENTINEL = PaddingPolicy.FILL_SENTINEL
+ZERO, SENTINEL = PaddingPolicy.ZERO, PaddingPolicy.FILL_SENTINEL
 
 
-def build_decode_registry(
-    device: torch.device, max_bs: int, max_blocks_per_seq: int
-) -> GraphBufferRegistry:
+def build_decode_registry(device: torch.device, max_bs: int,
+                          max_blocks_per_seq: int) -> GraphBufferRegistry:
     """Batch-axis buffers for graphs of up to `max_bs` sequences of one new token each."""
     registry = GraphBufferRegistry(device, max_bs=max_bs, max_num_tokens=max_bs)
-    for name, dtype in (("input_ids", torch.int64), ("positions", torch.int64)):
-        registry.register_slot(GraphSlot(name, _per_row, dtype, axis="bs", padding_policy=ZERO))
-    registry.register_slot(
-        GraphSlot(
-            "slot_mapping", _per_row, torch.int64, "bs", padding_policy=SENTINEL, pad_value=-1
-        )
-    )
-    registry.register_slot(
-        GraphSlot("seq_lens", _per_row, torch.int32, "bs", padding_policy=SENTINEL, pad_value=0)
-    )
-    registry.register_slot(
-        GraphSlot(
-            "block_tables",
-            lambda bs, _: (bs, max_blocks_per_seq),
-            torch.int32,
-            "bs",
-            padding_policy=ZERO,
-        )
-    )
+    per_row = lambda bs, _: bs
+    for name, dtype, policy, pad in (("input_ids", torch.int64, ZERO, None),
+                                     ("positions", torch.int64, ZERO, None),
+                                     ("slot_mapping", torch.int64, SENTINEL, -1),
+                                     ("seq_lens", torch.int32, SENTINEL, 0)):
+        registry.register_slot(GraphSlot(name, per_row, dtype, "bs", padding_policy=policy,
+                                         pad_value=pad))
+    registry.register_slot(GraphSlot("block_tables", lambda bs, _: (bs, max_blocks_per_seq),
+                                     torch.int32, "bs", padding_policy=ZERO))
     # One new token per row: the offsets are always 0..bs, written once at allocation.
     registry.register_slot(
-        GraphSlot(
-            "cu_seqlens_q",
-            lambda bs, _: bs + 1,
-            torch.int32,
-            "bs",
-            padding_policy=PaddingPolicy.KEEP_PAD,
-            copy_from_batch=False,
-            slice_fn=lambda buffer, start, stop: buffer[start : stop + 1],
-        ),
+        GraphSlot("cu_seqlens_q", lambda bs, _: bs + 1, torch.int32, "bs",
+                  padding_policy=PaddingPolicy.KEEP_PAD, copy_from_batch=False,
+                  slice_fn=lambda buffer, start, stop: buffer[start : stop + 1]),
         bind=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
     )
     return registry
 
 
-def _per_row(max_bs: int, _max_num_tokens: int) -> int:
-    return max_bs
-
-
 class DecodeGraphRunner(GraphRunner):
     kind = "decode"
 
-    def __init__(
-        self,
-        spec: StackSpec,
-        mode: str,
-        buckets: list[int],
-        max_blocks_per_seq: int,
-        max_seq_len: int,
-        pool: Any = None,
-    ) -> None:
+    def __init__(self, spec: StackSpec, mode: str, buckets: list[int], max_blocks_per_seq: int,
+                 max_seq_len: int, pool: Any = None) -> None:
         super().__init__(spec, mode, buckets, pool)
         self.max_blocks_per_seq, self.max_seq_len = max_blocks_per_seq, max_seq_len
         self.registry = build_decode_registry(self.device, self.max_size, max_blocks_per_seq)
@@ -104,25 +75,17 @@ class DecodeGraphRunner(GraphRunner):
         return batch.num_seqs if fits else None
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
-        self.registry.fill_from(
-            batch,
-            raw_bs=batch.num_seqs,
-            padded_bs=bucket,
-            raw_num_tokens=batch.num_tokens,
-            padded_num_tokens=bucket,
-        )
+        self.registry.fill_from(batch, raw_bs=batch.num_seqs, padded_bs=bucket,
+                                raw_num_tokens=batch.num_tokens, padded_num_tokens=bucket)
 
     def replay_context(self, batch: ForwardBatch, captured: CapturedStack) -> ForwardContext:
         return captured.context
 
     def capture_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        self.registry.fill_from(
-            self._empty, raw_bs=0, padded_bs=size, raw_num_tokens=0, padded_num_tokens=size
-        )
-        static = self.registry.extract_buffer(
-            padded_bs=size, padded_num_tokens=size, template=self._empty
-        )
-        static = dataclasses.replace(
-            static, num_tokens=size, num_seqs=size, max_seq_len=self.max_seq_len
-        )
+        self.registry.fill_from(self._empty, raw_bs=0, padded_bs=size, raw_num_tokens=0,
+                                padded_num_tokens=size)
+        static = self.registry.extract_buffer(padded_bs=size, padded_num_tokens=size,
+                                              template=self._empty)
+        static = dataclasses.replace(static, num_tokens=size, num_seqs=size,
+                                     max_seq_len=self.max_seq_len)
         return static.input_ids, static.positions, self.make_context(static)

@@ -1,20 +1,14 @@
-"""The base of the graph runners: the model's transformer stack captured once per bucket,
-replayed per step. `decode_graph.py` and `prefill_graph.py` hold the two kinds.
+"""The base of the graph runners: the model's transformer stack captured once per bucket
+(largest first, one memory pool), replayed per step.
 
 A runner owns static input buffers (a `GraphBufferRegistry`), one captured graph per bucket
 and the bucket's output tensor. `run(batch)` copies the live batch into the buffers, sets
 the forward context and replays the smallest bucket that fits; the caller runs the head on
-the live rows. Two kinds differ only in what they capture and what attention reads:
-
-- decode (batch-size buckets): attention reads the static buffers, so it may be captured
-  inside the graph ("full"); padded rows have sequence length 0 and cache slot -1.
-- prefill (token-count buckets): only token-wise ops are captured; attention is an eager
-  break reading the live batch, so one graph serves any mix of requests that fits.
-
-Modes: "full" (one CUDA graph, decode only), "breakable" (graph segments split at
-attention), "piecewise" (the same split over a `torch.compile`d stack) and "debug" (a
-breakable graph whose single break runs the whole stack eagerly: every op runs eagerly
-through the same buffers, padding and replay path).
+the live rows. The kinds (`decode_graph.py`, `prefill_graph.py`) differ in their buckets,
+their buffers and what attention reads. Modes: "full" (one CUDA graph, decode only),
+"breakable" (graph segments split at attention), "piecewise" (the same split over a
+`torch.compile`d stack) and "debug" (a breakable graph whose single break runs the whole
+stack eagerly: every op eager, through the same buffers, padding and replay path).
 """
 
 from __future__ import annotations
@@ -115,22 +109,15 @@ class GraphRunner:
         reserved = self._settled_reserved_bytes()
         start = time.perf_counter()
         sizes = sorted(self.buckets, reverse=True)
-        for size in tqdm(
-            sizes, desc=f"capturing {self.kind} graphs ({self.mode})", unit="graph", leave=False
-        ):
+        desc = f"capturing {self.kind} graphs ({self.mode})"
+        for size in tqdm(sizes, desc=desc, unit="graph", leave=False):
             self.graphs[size] = self.capture_one(size)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = self._settled_reserved_bytes() - reserved
-        logger.info(
-            "%s graphs (%s): %d buckets %s captured in %.2f s, graph pool %.3f GiB",
-            self.kind,
-            self.mode,
-            len(sizes),
-            self.buckets,
-            self.capture_seconds,
-            self.pool_bytes / 2**30,
-        )
+        logger.info("%s graphs (%s): %d buckets %s captured in %.2f s, graph pool %.3f GiB",
+                    self.kind, self.mode, len(sizes), self.buckets, self.capture_seconds,
+                    self.pool_bytes / 2**30)
 
     def measure_pool_bytes(self) -> int:
         """Pool memory the graphs will take, from a throw-away capture of the largest bucket
@@ -171,9 +158,8 @@ class GraphRunner:
         graph = BreakableCUDAGraph()
         with BreakableCUDAGraphCapture(graph, pool=self.pool):
             if self.mode == "debug":
-                output = torch.empty(
-                    input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=self.device
-                )
+                output = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
+                                     device=self.device)
                 run_stack_eagerly(self.stack, input_ids, positions, output)
             else:
                 output = self.stack(input_ids, positions)

@@ -52,9 +52,8 @@ class PrefillGraphRunner(GraphRunner):
         return batch.num_tokens
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
-        self.registry.fill_from(
-            batch, raw_bs=0, padded_bs=0, raw_num_tokens=batch.num_tokens, padded_num_tokens=bucket
-        )
+        self.registry.fill_from(batch, raw_bs=0, padded_bs=0, raw_num_tokens=batch.num_tokens,
+                                padded_num_tokens=bucket)
 
     def replay_context(self, batch: ForwardBatch, captured: CapturedStack) -> ForwardContext:
         return self.make_context(batch)
