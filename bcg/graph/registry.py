@@ -225,7 +225,8 @@ class GraphBufferRegistry:
                 tail = slot.span(raw, padded)
                 # A head may run past `raw` (e.g. cu_seqlens, raw_bs + 1 entries); where it
                 # meets the tail it must win, so that tail is reset before the copies.
-                if self._aliased or fill_plan.head_meets_tail(slot, landed.get(slot.name), tail, raw):
+                head = landed.get(slot.name)
+                if self._aliased or fill_plan.head_meets_tail(slot, head, tail, raw):
                     lone_resets.append((tail, reset.value))
                 else:
                     group = fill_plan.group_for(groups, reset.kind, slot.dtype, tail)
