@@ -149,10 +149,6 @@ def bench_model(model: str, floors: dict) -> tuple[list[dict], list[dict]]:
             rows += [{"model": model, "mode": name, "batch": batch_size, "tokens": tokens,
                       "ms": ms, "weight_floor_ms": weight_floor_ms,
                       "compute_floor_ms": compute_ms} for name, ms in timings.items()]
-    runner.graph_runners = []
-    del runner, graph_runners
-    gc.collect()
-    torch.cuda.empty_cache()
     return rows, startup
 
 
@@ -181,6 +177,11 @@ def main() -> None:
         model_rows, model_startup = bench_model(model, floors)
         rows += model_rows
         startup += model_startup
+        # Free this model's runner (its KV cache takes most of the GPU) before the next:
+        # only once bench_model has returned are its locals gone; compiled code holds it too.
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
     table = {}
     for r in rows:
         key = (r["model"], r["batch"], r["tokens"])
