@@ -42,10 +42,6 @@ def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB", **ove
     return model
 
 
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     device = next(model.parameters()).device
     with torch.no_grad():

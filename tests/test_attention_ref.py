@@ -2,6 +2,9 @@ import pytest
 import torch
 
 from bcg.layers.attention_ref import paged_attention_ref, store_kv
+from bcg.utils import cdiv
+from tests.numerics import POISON, pad_with_nan, poisoned_like
+from tests.paged import scatter_blocks, slot_mapping
 
 BLOCK_SIZE = 4
 
@@ -21,21 +24,16 @@ def dense_causal_attention(q, k, v, scale):
 def build_case(seq_lens, new_lens, num_heads=4, num_kv_heads=2, head_dim=8, seed=0):
     """Random K/V per sequence, scattered into shuffled cache blocks."""
     gen = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-s // BLOCK_SIZE) for s in seq_lens)
-    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3
+    blocks_per_seq = [cdiv(s, BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
     k_cache = torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    block_tables = scatter_blocks(blocks_per_seq, num_blocks, gen)
     ks, vs, qs = [], [], []
-    for i, (seq_len, new) in enumerate(zip(seq_lens, new_lens, strict=True)):
-        blocks = [perm.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
-        block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    for table, seq_len, new in zip(block_tables, seq_lens, new_lens, strict=True):
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-        slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                              for p in range(seq_len)])
-        store_kv(k, v, k_cache, v_cache, slots)
+        store_kv(k, v, k_cache, v_cache, slot_mapping(table, range(seq_len), BLOCK_SIZE))
         ks.append(k)
         vs.append(v)
         qs.append(torch.randn(new, num_heads, head_dim, generator=gen))
@@ -71,20 +69,20 @@ def test_paged_attention_matches_dense(seq_lens, new_lens, num_heads, num_kv_hea
 def test_writes_into_out_and_leaves_padded_rows():
     args, *_ = build_case([6, 3], [2, 1])
     q = args.pop("q")
-    padded_q = torch.cat([q, torch.full((2, *q.shape[1:]), float("nan"))])
-    out = torch.full_like(padded_q, 7.0)
+    padded_q = pad_with_nan(q, 2)
+    out = poisoned_like(padded_q)
     result = paged_attention_ref(padded_q, **args, scale=1.0, out=out)
     assert result is out
     assert torch.isfinite(out[:3]).all()
-    assert (out[3:] == 7.0).all()
+    assert (out[3:] == POISON).all()
 
 
 def test_zero_length_sequence_is_noop():
     args, *_ = build_case([5], [1])
     args["seq_lens"] = torch.tensor([0], dtype=torch.int32)
-    out = torch.full_like(args["q"], 3.0)
+    out = poisoned_like(args["q"])
     paged_attention_ref(**args, scale=1.0, out=out)
-    assert (out == 3.0).all()
+    assert (out == POISON).all()
 
 
 def test_store_kv_skips_negative_slots():

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
 from bcg.graph.registry import MAX_CACHED_PLANS, GraphBufferRegistry
 from bcg.graph.slots import FillContext, GraphSlot, PaddingPolicy
+from tests.numerics import POISON, poison, poison_registry
 
-POISON = 99
 MAX_BS = 6
 MAX_TOKENS = 8
 
@@ -49,13 +49,8 @@ def make_registry(*slots: GraphSlot, share_pool: bool = False) -> GraphBufferReg
     registry = GraphBufferRegistry("cpu", MAX_BS, MAX_TOKENS, share_pool=share_pool)
     for slot in slots:
         registry.register_slot(slot)
-    poison(registry)
+    poison_registry(registry)
     return registry
-
-
-def poison(registry: GraphBufferRegistry) -> None:
-    for name in registry.slot_names():
-        registry.get_slot(name).buffer.fill_(POISON)
 
 
 def arange(n: int, start: int = 1) -> torch.Tensor:
@@ -303,7 +298,7 @@ def test_head_running_past_the_whole_tail_leaves_no_pad():
 
 
 def test_buffers_bound_over_shared_memory_reset_every_tail_before_the_copies():
-    shared = torch.full((MAX_TOKENS + 2,), POISON, dtype=torch.int64)
+    shared = poison(torch.empty(MAX_TOKENS + 2, dtype=torch.int64))
     registry = GraphBufferRegistry("cpu", MAX_BS, MAX_TOKENS)
     registry.register_slot(token_slot(padding_policy=PaddingPolicy.ZERO), bind=shared[:-2])
     registry.register_slot(token_slot("positions"), bind=shared[2:])
@@ -441,7 +436,7 @@ def test_plans_stay_bounded_and_correct_across_many_sizes():
     ]
     assert len(sizes) > MAX_CACHED_PLANS
     for ctx in sizes + sizes[:3]:
-        poison(registry)
+        poison_registry(registry)
         registry.fill_from(Batch(input_ids=arange(ctx.raw_num_tokens)), **dataclasses.asdict(ctx))
         pads = ctx.padded_num_tokens - ctx.raw_num_tokens
         untouched = MAX_TOKENS - ctx.padded_num_tokens
@@ -468,7 +463,7 @@ def test_slot_registered_after_a_fill_takes_part_in_the_next_one():
         post_fill=ids_plus_one,
     )
     registry.register_slot(computed)
-    poison(registry)
+    poison_registry(registry)
     fill(registry, batch, raw=2, padded=3)  # same sizes and sources as the first fill
     assert buffer_of(registry, "positions") == [2, 3, 0] + [POISON] * 5
 
@@ -618,7 +613,7 @@ def test_register_returns_a_copy_and_leaves_the_declaration_reusable():
 
 
 def test_bind_adopts_an_existing_tensor():
-    existing = torch.full((MAX_TOKENS,), POISON, dtype=torch.int64)
+    existing = poison(torch.empty(MAX_TOKENS, dtype=torch.int64))
     registry = GraphBufferRegistry("cpu", MAX_BS, MAX_TOKENS)
     registry.register_slot(token_slot(padding_policy=PaddingPolicy.ZERO), bind=existing)
     fill(registry, Batch(input_ids=arange(2)), raw=2, padded=3)
@@ -655,7 +650,7 @@ def test_pool_shares_identical_requests_whatever_the_order():
     for name in ("input_ids", "positions"):
         a, b = first.get_slot(name).buffer, second.get_slot(name).buffer
         assert a.data_ptr() == b.data_ptr()
-    poison(first)
+    poison_registry(first)
     fill(second, Batch(input_ids=arange(2)), raw=2, padded=2)
     assert buffer_of(first) == [1, 2] + [POISON] * 6
 
@@ -665,7 +660,7 @@ def test_pool_never_aliases_different_sizes_or_names():
     big = GraphBufferRegistry("cpu", MAX_BS, MAX_TOKENS * 2, share_pool=True)
     big.register_slot(token_slot())
     big.register_slot(token_slot("positions"))
-    poison(big)
+    poison_registry(big)
     fill(small, Batch(input_ids=arange(3)), raw=3, padded=3)
     assert buffer_of(big) == [POISON] * MAX_TOKENS * 2
     assert buffer_of(big, "positions") == [POISON] * MAX_TOKENS * 2

@@ -7,8 +7,7 @@ import torch
 
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
-from tests.builtin_model import require_builtin_model
-from tests.test_models_gguf import QUESTIONS
+from tests.builtin_model import QUESTIONS, require_builtin_model
 
 pytestmark = pytest.mark.gpu
 

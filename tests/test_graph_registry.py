@@ -5,6 +5,10 @@ import torch
 from bcg.forward import ForwardBatch
 from bcg.runner.decode_graph import build_decode_registry
 from bcg.runner.prefill_graph import build_prefill_registry
+from tests.numerics import poison_registry
+
+# The decode registry writes cu_seqlens_q (0..bs) once, at allocation, never in a fill.
+WRITTEN_ONCE = ["cu_seqlens_q"]
 
 
 def decode_batch(seq_lens: list[int], blocks: int) -> ForwardBatch:
@@ -24,15 +28,9 @@ def decode_batch(seq_lens: list[int], blocks: int) -> ForwardBatch:
     )
 
 
-def poison(registry) -> None:
-    for name in registry.slot_names():
-        if name != "cu_seqlens_q":
-            registry.get_slot(name).buffer.fill_(99)
-
-
 def test_decode_registry_pads_rows_harmlessly():
     registry = build_decode_registry(torch.device("cpu"), max_bs=8, max_blocks_per_seq=4)
-    poison(registry)
+    poison_registry(registry, keep=WRITTEN_ONCE)
     registry.fill_from(decode_batch([5, 9, 17], blocks=2), raw_bs=3, padded_bs=8,
                        raw_num_tokens=3, padded_num_tokens=8)
     view = registry.extract_buffer(padded_bs=8, padded_num_tokens=8,
@@ -47,7 +45,7 @@ def test_decode_registry_pads_rows_harmlessly():
 
 def test_prefill_registry_zeroes_the_token_tail():
     registry = build_prefill_registry(torch.device("cpu"), max_num_tokens=16)
-    poison(registry)
+    poison_registry(registry, keep=WRITTEN_ONCE)
     batch = decode_batch([3, 4], blocks=1)
     registry.fill_from(batch, raw_bs=0, padded_bs=0, raw_num_tokens=2, padded_num_tokens=4)
     view = registry.extract_buffer(padded_bs=1, padded_num_tokens=4, template=batch)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bcg.runner.graph_verify import verify_graphs
-from tests.hf_tiny import VOCAB, PagedHarness, relative_error, save_tiny_model
+from tests.hf_tiny import VOCAB, PagedHarness, save_tiny_model
+from tests.numerics import relative_error
 
 pytestmark = pytest.mark.gpu
 

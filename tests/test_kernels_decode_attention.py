@@ -5,19 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_kernels_support import (
+from tests.kernels_support import (
     DEVICE,
     HEAD_SHAPES,
     ON_GPU,
-    POISON,
     TOLERANCE,
     PagedBatch,
     import_kernels,
     make_paged_batch,
     record_launches,
     reference_attention,
-    rel_err,
 )
+from tests.numerics import POISON, poison, poisoned_like, relative_error
 
 decode = import_kernels("decode_attention")
 
@@ -52,7 +51,7 @@ def assert_matches(out: torch.Tensor, batch: PagedBatch) -> None:
     """Live rows match the reference; padded rows were not written."""
     expected = reference_attention(batch)
     live = batch.seq_lens > 0
-    assert rel_err(out[live], expected[live]) <= TOLERANCE
+    assert relative_error(out[live], expected[live]) <= TOLERANCE
     assert (out[~live] == POISON).all()
 
 
@@ -62,7 +61,7 @@ def test_decode_matches_reference(head_shape: tuple, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     batch_size = int(torch.randint(1, MAX_BATCH + 1, (1,), generator=generator))
     batch = decode_batch(random_lengths(batch_size, generator), head_shape, generator)
-    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON)), batch)
+    assert_matches(run_decode(batch, out=poisoned_like(batch.q)), batch)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
@@ -72,7 +71,7 @@ def test_decode_split_counts_agree(num_splits: int) -> None:
     head_shape = HEAD_SHAPES[1]
     batch = decode_batch(random_lengths(3, generator), head_shape, generator)
     plan = decode.plan_decode(3, *head_shape[:3], DEVICE, num_splits=num_splits)
-    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+    assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
 
 
 def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +84,7 @@ def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None
     for batch_size, num_splits in ((8, 1), (3, 2), (1, 5)):
         batch = decode_batch(random_lengths(batch_size, generator), head_shape, generator)
         plan = decode.plan_decode(batch_size, *head_shape[:3], DEVICE, num_splits=num_splits)
-        assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+        assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
     assert len(split_launches) == 3 and len(merge_launches) == 2
     assert split_launches[0] == split_launches[1] == split_launches[2]
     assert merge_launches[0] == merge_launches[1]
@@ -94,14 +93,14 @@ def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None
 def test_padded_rows_are_untouched() -> None:
     generator = torch.Generator().manual_seed(7)
     batch = decode_batch([0, 5, 0, MAX_LEN, 1, 0], HEAD_SHAPES[2], generator)
-    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON)), batch)
+    assert_matches(run_decode(batch, out=poisoned_like(batch.q)), batch)
 
 
 def test_plan_serves_smaller_batches() -> None:
     generator = torch.Generator().manual_seed(3)
     plan = decode.plan_decode(MAX_BATCH + 3, *HEAD_SHAPES[1][:3], DEVICE)
     batch = decode_batch(random_lengths(MAX_BATCH, generator), HEAD_SHAPES[1], generator)
-    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+    assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
 
 
 def test_mismatched_plan_is_refused() -> None:
@@ -159,7 +158,7 @@ def test_graph_replay_with_new_lengths_and_tables() -> None:
         fresh = fresh_batch(padded_row=replay)
         for name in ("q", "k_cache", "v_cache", "seq_lens", "block_tables"):
             getattr(static, name).copy_(getattr(fresh, name))
-        static_out.fill_(POISON)
+        poison(static_out)
         graph.replay()
         assert_matches(static_out, static)
 
@@ -174,5 +173,5 @@ def test_repeated_calls_take_the_fast_launch_path() -> None:
     launchers = (decode._launch_split, decode._launch_merge)
     slow_before = [launcher.slow_launches for launcher in launchers]
     batch = decode_batch(random_lengths(4, generator), HEAD_SHAPES[4], generator)
-    assert_matches(run_decode(batch, out=torch.full_like(batch.q, POISON), plan=plan), batch)
+    assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
     assert [launcher.slow_launches for launcher in launchers] == slow_before

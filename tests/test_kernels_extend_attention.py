@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_kernels_support import (
+from tests.kernels_support import (
     HEAD_SHAPES,
     ON_GPU,
-    POISON,
     TOLERANCE,
     PagedBatch,
     import_kernels,
     make_paged_batch,
     record_launches,
     reference_attention,
-    rel_err,
 )
+from tests.numerics import POISON, poison, poisoned_like, relative_error
 
 extend = import_kernels("extend_attention")
 
@@ -55,7 +54,7 @@ def run_extend(batch: PagedBatch, out: torch.Tensor) -> torch.Tensor:
 def assert_matches(out: torch.Tensor, batch: PagedBatch) -> None:
     """Real tokens match the reference; padding tokens were not written."""
     real = batch.num_real_tokens
-    assert rel_err(out[:real], reference_attention(batch)[:real]) <= TOLERANCE
+    assert relative_error(out[:real], reference_attention(batch)[:real]) <= TOLERANCE
     assert (out[real:] == POISON).all()
 
 
@@ -63,14 +62,14 @@ def assert_matches(out: torch.Tensor, batch: PagedBatch) -> None:
 @pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=str)
 def test_extend_matches_reference(head_shape: tuple, seed: int) -> None:
     batch = random_batch(head_shape, torch.Generator().manual_seed(seed))
-    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+    assert_matches(run_extend(batch, poisoned_like(batch.q)), batch)
 
 
 @pytest.mark.parametrize("head_shape", HEAD_SHAPES[1:3], ids=str)
 def test_prefill_without_prefix(head_shape: tuple) -> None:
     generator = torch.Generator().manual_seed(5)
     batch = batch_of([MAX_NEW, 1, MAX_NEW // 2 + 3], [0, 0, 0], head_shape, generator)
-    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+    assert_matches(run_extend(batch, poisoned_like(batch.q)), batch)
 
 
 def test_mixed_decode_and_prefill() -> None:
@@ -79,7 +78,7 @@ def test_mixed_decode_and_prefill() -> None:
     q_lens = [1] * 9 + [MAX_NEW]
     prefixes = torch.randint(0, MAX_PREFIX, (10,), generator=generator).tolist()
     batch = batch_of(q_lens, prefixes, HEAD_SHAPES[1], generator)
-    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+    assert_matches(run_extend(batch, poisoned_like(batch.q)), batch)
 
 
 def test_any_number_of_sequences_shares_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +92,7 @@ def test_any_number_of_sequences_shares_one_variant(monkeypatch: pytest.MonkeyPa
         q_lens = torch.randint(1, 6, (num_seqs,), generator=generator).tolist()
         prefixes = torch.randint(0, num_seqs, (num_seqs,), generator=generator).tolist()
         batch = batch_of(q_lens, prefixes, HEAD_SHAPES[1], generator)
-        assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+        assert_matches(run_extend(batch, poisoned_like(batch.q)), batch)
     assert len(launches) == 3
     assert launches[0] == launches[1] == launches[2]
 
@@ -126,7 +125,7 @@ def test_graph_replay_with_new_batch_composition() -> None:
         fresh = batch_of(q_lens, prefixes, head_shape, generator, max_blocks=max_blocks)
         for name in ("q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_tables"):
             getattr(static, name).copy_(getattr(fresh, name))
-        static_out.fill_(POISON)
+        poison(static_out)
         graph.replay()
         assert_matches(static_out, static)
 
@@ -139,5 +138,5 @@ def test_repeated_calls_take_the_fast_launch_path() -> None:
     run_extend(first, torch.empty_like(first.q))
     slow_before = extend._launch_extend.slow_launches
     batch = batch_of([20, 23], [7, 300], HEAD_SHAPES[4], generator)
-    assert_matches(run_extend(batch, torch.full_like(batch.q, POISON)), batch)
+    assert_matches(run_extend(batch, poisoned_like(batch.q)), batch)
     assert extend._launch_extend.slow_launches == slow_before

@@ -12,7 +12,8 @@ from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention_ref import store_kv as store_kv_ref
 from bcg.layers.norm import RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
-from tests.test_kernels_support import DEVICE, DTYPE, ON_GPU, TOLERANCE, import_kernels, rel_err
+from tests.kernels_support import DEVICE, DTYPE, ON_GPU, TOLERANCE, import_kernels
+from tests.numerics import relative_error
 
 kv_store = import_kernels("kv_store")
 rmsnorm = import_kernels("rmsnorm")
@@ -76,7 +77,7 @@ def test_rms_norm_matches_layer(num_tokens: int, hidden: int) -> None:
     layer.weight.copy_(rand(hidden, generator=generator))
     x = rand(num_tokens, hidden, generator=generator)
     out = rmsnorm.rms_norm(x, layer.weight, layer.eps)
-    assert rel_err(out, reference(layer)(cpu32(x))) <= TOLERANCE
+    assert relative_error(out, reference(layer)(cpu32(x))) <= TOLERANCE
 
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
@@ -90,8 +91,8 @@ def test_add_rms_norm_matches_layer(num_tokens: int) -> None:
     expected_out, expected_residual = reference(layer).add_and_norm(cpu32(x), cpu32(residual))
     out, new_residual = rmsnorm.add_rms_norm(x, residual, layer.weight, layer.eps)
     assert new_residual is residual
-    assert rel_err(residual, expected_residual) <= TOLERANCE
-    assert rel_err(out, expected_out) <= TOLERANCE
+    assert relative_error(residual, expected_residual) <= TOLERANCE
+    assert relative_error(out, expected_out) <= TOLERANCE
 
 
 def test_per_head_rms_norm_on_strided_view() -> None:
@@ -101,7 +102,7 @@ def test_per_head_rms_norm_on_strided_view() -> None:
     layer.weight.copy_(rand(128, generator=torch.Generator().manual_seed(2)))
     expected = reference(layer)(cpu32(q))
     rmsnorm.rms_norm(q, layer.weight, layer.eps, out=q)
-    assert rel_err(q, expected) <= TOLERANCE
+    assert relative_error(q, expected) <= TOLERANCE
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["default", "llama3"])
@@ -115,8 +116,8 @@ def test_rotary_matches_layer(head_shape: tuple, scaling: dict | None) -> None:
     positions = torch.randint(0, max_position, (num_tokens,), generator=generator).to(DEVICE)
     expected_q, expected_k = reference(layer)(positions.cpu(), cpu32(q), cpu32(k))
     rotary.apply_rotary(q, k, positions, layer.cos, layer.sin)
-    assert rel_err(q, expected_q) <= TOLERANCE
-    assert rel_err(k, expected_k) <= TOLERANCE
+    assert relative_error(q, expected_q) <= TOLERANCE
+    assert relative_error(k, expected_k) <= TOLERANCE
 
 
 @pytest.mark.parametrize("head_shape", [(8, 2, 128), (12, 4, 64)], ids=str)
@@ -134,8 +135,8 @@ def test_rotary_with_qk_norm_matches_layers(head_shape: tuple) -> None:
     expected_q, expected_k = reference(layer)(positions.cpu(), normed_q, normed_k)
     weights = (q_norm.weight, k_norm.weight)
     rotary.apply_rotary(q, k, positions, layer.cos, layer.sin, weights, q_norm.eps)
-    assert rel_err(q, expected_q) <= TOLERANCE
-    assert rel_err(k, expected_k) <= TOLERANCE
+    assert relative_error(q, expected_q) <= TOLERANCE
+    assert relative_error(k, expected_k) <= TOLERANCE
 
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
@@ -143,7 +144,7 @@ def test_rotary_with_qk_norm_matches_layers(head_shape: tuple) -> None:
 def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
     x = rand(num_tokens, 2 * intermediate, generator=torch.Generator().manual_seed(3))
     out = activation.silu_and_mul(x)
-    assert rel_err(out, SiluAndMul()(cpu32(x))) <= TOLERANCE
+    assert relative_error(out, SiluAndMul()(cpu32(x))) <= TOLERANCE
 
 
 @pytest.mark.gpu
@@ -153,4 +154,4 @@ def test_cached_launch_tells_alignments_apart() -> None:
     flat = rand(rows * width + 1, generator=torch.Generator().manual_seed(8))
     aligned, misaligned = flat[:-1].view(rows, width), flat[1:].view(rows, width)
     for x in (aligned, misaligned, aligned, misaligned):
-        assert rel_err(activation.silu_and_mul(x), SiluAndMul()(cpu32(x))) <= TOLERANCE
+        assert relative_error(activation.silu_and_mul(x), SiluAndMul()(cpu32(x))) <= TOLERANCE

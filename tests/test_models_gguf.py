@@ -5,13 +5,7 @@ import torch
 
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
-from tests.builtin_model import require_builtin_model
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence what a GPU is.",
-]
+from tests.builtin_model import QUESTIONS, require_builtin_model
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ the CPU measures about 1e-2 on these models)."""
 import pytest
 import torch
 
-from tests.hf_tiny import ARCHS, VOCAB, PagedHarness, hf_logits, relative_error, save_tiny_model
+from tests.hf_tiny import ARCHS, VOCAB, PagedHarness, hf_logits, save_tiny_model
+from tests.numerics import relative_error
 
 RUNS = [
     pytest.param(("cpu", "float32", 1e-4), id="cpu-fp32"),

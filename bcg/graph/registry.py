@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from bcg.graph import fill_plan
+import bcg.graph.fill_plan as fill_plan
 from bcg.graph.buffer_pool import normalize_device, share_buffer
 from bcg.graph.fill_plan import FillPlan, Head, Reset, copy_group
 from bcg.graph.slots import RESET_POLICIES, FillContext, GraphSlot, PaddingPolicy, SourceFn

@@ -1,4 +1,4 @@
-"""Shared set-up for the Triton kernel tests (no tests here; imported by the others).
+"""Shared set-up for the Triton kernel tests (a helper module: no tests here).
 
 On a GPU the kernels run compiled in bf16 on realistic sizes; without one they run through
 Triton's interpreter in fp32 on small sizes, which needs ``pip install --no-deps triton``
@@ -17,13 +17,14 @@ import torch
 
 import bcg.kernels  # noqa: F401  (first: turns on the interpreter before triton loads)
 from bcg.layers.attention_ref import paged_attention_ref
+from tests.numerics import poisoned_like
+from tests.paged import scatter_blocks
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 # bf16 inputs against an fp32 reference; fp32 interpreter runs are far tighter.
 TOLERANCE = 1e-2 if ON_GPU else 1e-4
-POISON = 1234.5
 # (num_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3, MQA, Qwen3-8B-like.
 HEAD_SHAPES = [(4, 4, 64, 16), (8, 2, 128, 16), (12, 4, 64, 8), (8, 1, 128, 32), (32, 8, 128, 16)]
 
@@ -59,12 +60,6 @@ def import_kernels(name: str) -> ModuleType:
     if reason is not None:
         pytest.skip(reason, allow_module_level=True)
     return importlib.import_module(f"bcg.kernels.{name}")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in fp32."""
-    ref = ref.float().to(out.device)
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 @dataclass
@@ -106,8 +101,7 @@ def make_paged_batch(
     if max_blocks < needed:
         raise ValueError(f"max_blocks={max_blocks} < {needed} blocks the longest sequence needs")
     num_blocks = len(seq_lens) * max_blocks + 3
-    pool = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
-    block_tables = pool.view(len(seq_lens), max_blocks).to(torch.int32)
+    block_tables = scatter_blocks([max_blocks] * len(seq_lens), num_blocks, generator)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(DTYPE).to(DEVICE)
@@ -145,8 +139,7 @@ def record_launches(
 
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
     """The engine's PyTorch attention on ``batch`` (rows it skips come back poisoned)."""
-    out = torch.full_like(batch.q, POISON)
     return paged_attention_ref(
         batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
-        batch.block_tables, batch.scale, out=out,
+        batch.block_tables, batch.scale, out=poisoned_like(batch.q),
     )
