@@ -101,7 +101,8 @@ def _generate(args: argparse.Namespace) -> int:
     for prompt, output in zip(args.prompts, outputs, strict=True):
         if len(outputs) > 1:
             print(f"### {prompt}")
-        print(output.text if args.chat else prompt + output.text)
+        text = output.outputs[0].text
+        print(text if args.chat else prompt + text)
     return 0
 
 

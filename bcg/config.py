@@ -13,6 +13,7 @@ import torch
 from bcg.models.presets import PRESETS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 
 
 def _arg(default, help: str, **extra):
@@ -36,7 +37,7 @@ class EngineConfig:
     )
     dtype: str = _arg(
         "auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU",
-        choices=("auto", *DTYPES),
+        choices=("auto", *DTYPES, *DTYPE_ALIASES),
     )
     device: str = _arg("auto", "cuda, cuda:N or cpu; auto: cuda when available")
     seed: int = _arg(0, "seed of dummy weights and of requests without their own seed")
@@ -88,6 +89,10 @@ class EngineConfig:
         "comma-separated batch sizes to capture decode graphs for, e.g. '1,8,64'; default: a "
         "ladder from 1 up to max_num_seqs",
     )
+    enforce_eager: bool = _arg(
+        False, "run every step eagerly: no CUDA graphs (vLLM's flag; the same as "
+        "--prefill-graph none --decode-graph none)",
+    )
     verify_graphs: bool = _arg(
         False,
         "after capture, replay every graph bucket on fresh inputs against eager and refuse to "
@@ -95,6 +100,9 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.enforce_eager:
+            self.prefill_graph = self.decode_graph = "none"
         require(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
         require(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

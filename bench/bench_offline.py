@@ -91,7 +91,7 @@ def timed_run(llm: LLM, requests) -> dict:
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return {"generated": sum(len(o.token_ids) for o in outputs), "seconds": seconds,
+    return {"generated": sum(len(o.outputs[0].token_ids) for o in outputs), "seconds": seconds,
             "preemptions": engine.stats.num_preemptions,
             "prefill_step_s": engine.stats.prefill_seconds,
             "decode_step_s": engine.stats.decode_seconds,

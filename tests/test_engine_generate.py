@@ -24,7 +24,7 @@ def make_llm(folder, **engine_args) -> LLM:
 
 
 def greedy_tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def llm(tiny):
 
 def test_greedy_matches_transformers(llm, tiny):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == tiny[1]
-    assert all(o.finish_reason == "length" and o.finished for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == tiny[1]
+    assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outputs)
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
 
 
@@ -75,7 +75,7 @@ def test_prefix_cache_hit_gives_the_same_tokens(llm, tiny):
     [first] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
     [again] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
     assert again.num_cached_tokens == 28
-    assert first.token_ids == again.token_ids == tiny[1][2]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == tiny[1][2]
 
 
 def test_seeded_request_is_reproducible_whatever_the_batch(llm):
@@ -92,14 +92,18 @@ def test_stop_token_ends_the_request(llm, tiny):
     stop_token = tiny[1][0][3]
     params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_token])
     [out] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    assert out.finish_reason == "stop"
-    assert out.token_ids == tiny[1][0][: tiny[1][0].index(stop_token) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == tiny[1][0][: tiny[1][0].index(stop_token) + 1]
 
 
-def test_max_model_len_ends_the_request(tiny):
+def test_prompt_plus_max_tokens_beyond_max_model_len_is_refused(tiny):
+    """As vLLM does (its server answers 400): a request that cannot finish is not started."""
     llm = make_llm(tiny[0], max_model_len=34)
-    [out] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
-    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="plus max_tokens=10 exceed max_model_len=34"):
+        llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
+    fits = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [out] = llm.generate([PROMPTS[2]], fits, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == tiny[1][2][:4]
 
 
 @pytest.mark.parametrize("prompt,message", [
@@ -118,7 +122,7 @@ def test_bad_prompt_raises_and_harms_no_other_request(llm, tiny, prompt, message
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finished[good].token_ids == tiny[1][1]
+    assert finished[good].outputs[0].token_ids == tiny[1][1]
 
 
 def test_generate_validates_all_prompts_before_running_any(llm):
@@ -142,7 +146,7 @@ def test_abort_frees_blocks_and_others_finish(llm, tiny):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert {o.request_id for o in outputs} == {kept}
-    assert outputs[-1].token_ids == tiny[1][0]
+    assert outputs[-1].outputs[0].token_ids == tiny[1][0]
     assert engine.scheduler.block_manager.num_free_blocks == engine.runner.num_kv_blocks
 
 
@@ -245,4 +249,4 @@ def test_step_finished_only_reports_each_request_once_when_it_ends(llm, tiny):
         reported += engine.step(finished_only=True)
     assert all(o.finished for o in reported)
     assert sorted(o.request_id for o in reported) == sorted(ids)
-    assert [o.token_ids for o in sorted(reported, key=lambda o: ids.index(o.request_id))] == tiny[1]
+    assert [o.outputs[0].token_ids for o in sorted(reported, key=lambda o: ids.index(o.request_id))] == tiny[1]

@@ -20,17 +20,17 @@ def llm():
 def test_chat_answers_the_question(llm):
     [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY,
                      use_tqdm=False)
-    assert "Paris" in out.text and out.finish_reason == "stop"
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
 
 
 def test_stop_string_ends_the_text_before_it(llm):
     [full] = llm.generate(["The days of the week are Monday,"], GREEDY, use_tqdm=False)
-    stop = full.text[10:14]
+    stop = full.outputs[0].text[10:14]
     params = SamplingParams(temperature=0, max_tokens=16, stop=[stop, "never-appears"])
     [cut] = llm.generate(["The days of the week are Monday,"], params, use_tqdm=False)
-    assert cut.finish_reason == "stop"
-    assert cut.text == full.text[: full.text.index(stop)]
-    assert stop not in cut.text
+    assert cut.outputs[0].finish_reason == "stop"
+    assert cut.outputs[0].text == full.outputs[0].text[: full.outputs[0].text.index(stop)]
+    assert stop not in cut.outputs[0].text
 
 
 def test_incremental_text_equals_a_full_decode(llm):
@@ -68,18 +68,18 @@ def test_empty_and_too_long_prompts_are_refused(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["word " * 600], GREEDY, use_tqdm=False)
     [ok] = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    assert len(ok.token_ids) == 2
+    assert len(ok.outputs[0].token_ids) == 2
 
 
 def test_eos_ends_the_request_unless_ignored(llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     [stopped] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
-    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == llm.tokenizer.eos_token_id
-    ignoring = SamplingParams(temperature=0, max_tokens=len(stopped.token_ids) + 3,
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].token_ids[-1] == llm.tokenizer.eos_token_id
+    ignoring = SamplingParams(temperature=0, max_tokens=len(stopped.outputs[0].token_ids) + 3,
                               ignore_eos=True)
     [longer] = llm.chat(messages, ignoring, use_tqdm=False)
-    assert longer.finish_reason == "length"
-    assert longer.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+    assert longer.outputs[0].finish_reason == "length"
+    assert longer.outputs[0].token_ids[: len(stopped.outputs[0].token_ids)] == stopped.outputs[0].token_ids
 
 
 def test_tokenizer_without_a_fast_backend_is_refused():

@@ -27,7 +27,7 @@ def greedy_texts(mode: str, dtype: str = "auto") -> list[str]:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return [o.text for o in outputs]
+    return [o.outputs[0].text for o in outputs]
 
 
 @pytest.fixture(scope="module")

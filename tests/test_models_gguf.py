@@ -39,7 +39,7 @@ def our_greedy(device: str, dtype: str) -> tuple[list[list[int]], list[list[int]
     llm = LLM(device=device, dtype=dtype)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
-    return prompts, [o.token_ids for o in outputs]
+    return prompts, [o.outputs[0].token_ids for o in outputs]
 
 
 def test_greedy_matches_transformers_cpu(gguf_path):

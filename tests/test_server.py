@@ -179,7 +179,7 @@ def test_concurrent_requests_equal_offline_generate(client):
     llm = LLM(device="cpu", max_model_len=MAX_MODEL_LEN)
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6),
                             use_tqdm=False)
-    assert texts == [o.text for o in expected]
+    assert texts == [o.outputs[0].text for o in expected]
 
 
 BAD_REQUESTS = [

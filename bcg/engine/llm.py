@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from bcg.config import EngineConfig
-from bcg.engine.llm_engine import LLMEngine
+from bcg.engine.llm_engine import LLMEngine, check_one_per_prompt
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 
@@ -34,13 +35,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come in prompt order.
-        Every prompt is validated before any runs, so bad input raises and runs nothing."""
+        """Generate for each prompt (text, token ids, or vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}`); one output per prompt, in order, holding its
+        `SamplingParams.n` completions. Every prompt is validated before any runs, so bad
+        input raises and runs nothing."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = self.engine.add_requests(prompts, params)
+        expanded = [(prompt, p.for_choice(i))
+                    for prompt, p in zip(prompts, params, strict=True) for i in range(p.n)]
+        ids = self.engine.add_requests([e[0] for e in expanded], [e[1] for e in expanded])
         finished = self._run(len(ids), use_tqdm)
-        return [finished[i] for i in ids]
+        outputs, taken = [], iter(ids)
+        for p in params:
+            choices = [finished[next(taken)] for _ in range(p.n)]
+            completions = [replace(c.outputs[0], index=i) for i, c in enumerate(choices)]
+            outputs.append(replace(choices[0], outputs=completions))
+        return outputs
 
     def chat(
         self,
@@ -73,19 +83,35 @@ class LLM:
         return finished
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or (
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str | dict) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):
-        return [prompts]
-    return list(prompts)
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string, token ids, or a list of them; got "
+                        f"{type(prompts).__name__}")
+    return [_as_prompt(p) for p in prompts]
+
+
+def _as_prompt(prompt) -> Prompt:
+    """A text or token-id prompt; vLLM's dict prompts are unwrapped."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"}:
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"}:
+            return prompt["prompt_token_ids"]
+        raise ValueError(f"a dict prompt takes one key, 'prompt' (text) or 'prompt_token_ids'; "
+                         f"got keys {sorted(map(str, prompt))}")
+    return prompt
 
 
 def _as_params_list(
     params: SamplingParams | Sequence[SamplingParams] | None, count: int
 ) -> list[SamplingParams]:
-    """One `SamplingParams` (or None, the defaults) for every prompt; a sequence is taken as is
-    (`LLMEngine.add_requests` checks that it has one per prompt)."""
+    """One `SamplingParams` (or None, the defaults) for every prompt."""
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count
-    return list(params)
+    params = list(params)
+    check_one_per_prompt(range(count), params)
+    return params

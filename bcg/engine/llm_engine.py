@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sized
 from dataclasses import dataclass
 
 import jinja2
@@ -19,7 +20,7 @@ import torch
 from bcg.config import EngineConfig, is_int, require
 from bcg.engine.block_manager import BlockManager
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
-from bcg.engine.outputs import RequestOutput
+from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
@@ -50,11 +51,18 @@ class EngineStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+def check_one_per_prompt(prompts: Sized, params: Sized) -> None:
+    require(len(prompts) == len(params),
+            f"got {len(params)} sampling params for {len(prompts)} prompts: pass one per prompt")
+
+
 @dataclass
 class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None  # None: no tokenizer, no text
     prompt: str | None  # the prompt text, if it came as text
+    logprobs: list[PositionLogprobs] | None = None  # per generated token, if asked for
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token
 
 
 class LLMEngine:
@@ -70,7 +78,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, source, self.max_model_len)
+        self.runner = ModelRunner(config, source, self.max_model_len,
+                                  tuple(sorted(self.eos_token_ids)))
         if config.verify_graphs and self.runner.graph_runners:
             verify_graphs(self.runner)
         block_manager = BlockManager(
@@ -95,11 +104,13 @@ class LLMEngine:
         sampling_params = sampling_params or SamplingParams()
         require(isinstance(sampling_params, SamplingParams),
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        require(sampling_params.n == 1, "LLMEngine runs one sequence per request: add n "
+                "requests (LLM.generate and the server do this for SamplingParams.n)")
         if request_id is None:
             request_id = next(i for i in map(str, self._request_counter) if i not in self._requests)
         require(request_id not in self._requests, f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
-        self._check_prompt(token_ids)
+        self._check_prompt(token_ids, sampling_params)
         generator = None
         if sampling_params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
@@ -110,7 +121,10 @@ class LLMEngine:
             if self._decoder is not None else None
         )
         text = prompt if isinstance(prompt, str) else None
-        self._requests[request_id] = _Request(seq, detokenizer, text)
+        self._requests[request_id] = _Request(
+            seq, detokenizer, text,
+            logprobs=[] if sampling_params.logprobs is not None else None,
+            prompt_logprobs=[None] if sampling_params.prompt_logprobs is not None else None)
         self.scheduler.add(seq)
         return request_id
 
@@ -119,9 +133,7 @@ class LLMEngine:
     ) -> list[str]:
         """Queue one request per (prompt, params), all or none: on bad input, drop the ones
         already queued and raise ValueError naming the first bad prompt's index."""
-        require(len(prompts) == len(params),
-                f"got {len(params)} sampling params for {len(prompts)} prompts: pass one per "
-                "prompt")
+        check_one_per_prompt(prompts, params)
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -161,11 +173,15 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        token_ids = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        result = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
         self._count(scheduled, time.perf_counter() - start)
+        for index, (position, scored) in result.prompt_logprobs.items():
+            self._record_prompt_logprobs(scheduled.seqs[index], position, scored)
         outputs = []
-        for seq, token_id in zip(self.scheduler.advance(scheduled), token_ids, strict=True):
-            self._append(seq, token_id)
+        sampled = self.scheduler.advance(scheduled)
+        for seq, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs,
+                                           strict=True):
+            self._append(seq, token_id, logprobs)
             if seq.is_finished or not finished_only:
                 outputs.append(self._output(seq))
             if seq.is_finished:
@@ -184,13 +200,39 @@ class LLMEngine:
                 "a prompt must be a string or a list of token ids (int)")
         return list(prompt)
 
-    def _append(self, seq: Sequence, token_id: int) -> None:
+    def _append(self, seq: Sequence, token_id: int, logprobs) -> None:
+        if seq.sampling_params.max_tokens == 0:  # the prompt was only scored
+            self.scheduler.finish(seq, "length")
+            return
         seq.append_token(token_id)
-        detokenizer = self._requests[seq.request_id].detokenizer
-        stopped_by_text = detokenizer is not None and detokenizer.add(token_id)
+        request = self._requests[seq.request_id]
+        if request.logprobs is not None:
+            request.logprobs.append(self._position_logprobs(token_id, logprobs))
+        stopped_by_text = request.detokenizer is not None and request.detokenizer.add(token_id)
         reason = self._finish_reason(seq, token_id, stopped_by_text)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+
+    def _record_prompt_logprobs(self, seq: Sequence, position: int, scored: list) -> None:
+        """Keep the logprobs of prompt tokens from `position` on, skipping those already kept
+        (a preempted sequence computes its prompt again)."""
+        recorded = self._requests[seq.request_id].prompt_logprobs
+        assert position <= len(recorded), "prompt logprobs must arrive in order"
+        for logprobs in scored[len(recorded) - position :]:
+            token_id = seq.prompt_token_ids[len(recorded)]
+            recorded.append(self._position_logprobs(token_id, logprobs))
+
+    def _position_logprobs(self, token_id: int, scored) -> PositionLogprobs:
+        """vLLM's form: the chosen token first, then the top alternatives, by token id."""
+        logprob, rank, top = scored
+        entries = {token_id: Logprob(logprob, rank, self._decode_token(token_id))}
+        for rank_of_top, (top_id, top_logprob) in enumerate(top, start=1):
+            entries.setdefault(top_id, Logprob(top_logprob, rank_of_top,
+                                               self._decode_token(top_id)))
+        return entries
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped_by_text: bool) -> str | None:
         params = seq.sampling_params
@@ -202,19 +244,29 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        detokenizer = self._requests[seq.request_id].detokenizer
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=self._requests[seq.request_id].prompt,
-            prompt_token_ids=seq.prompt_token_ids,
+        request = self._requests[seq.request_id]
+        detokenizer = request.detokenizer
+        logprobs = request.logprobs
+        completion = CompletionOutput(
+            index=0,
             text=detokenizer.visible_text(seq.is_finished) if detokenizer else "",
             token_ids=seq.output_token_ids,
-            finished=seq.is_finished,
             finish_reason=seq.finish_reason,
+            logprobs=None if logprobs is None else list(logprobs),
+            cumulative_logprob=None if logprobs is None else sum(
+                p[t].logprob for p, t in zip(logprobs, seq.output_token_ids, strict=True)),
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         require(len(token_ids) > 0, "the prompt is empty")
         vocab_size = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
@@ -222,6 +274,10 @@ class LLMEngine:
         require(len(token_ids) < self.max_model_len,
                 f"the prompt has {len(token_ids)} tokens but max_model_len is "
                 f"{self.max_model_len}: shorten it (or raise max_model_len)")
+        require(len(token_ids) + params.max_tokens <= self.max_model_len,
+                f"the prompt's {len(token_ids)} tokens plus max_tokens={params.max_tokens} "
+                f"exceed max_model_len={self.max_model_len}: lower max_tokens or shorten the "
+                "prompt")
 
     def _count(self, scheduled: SchedulerOutput, seconds: float) -> None:
         decode = sum(n for s, n in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True)

@@ -94,7 +94,9 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
+            # A prompt to score is computed whole: cached blocks would skip its logprobs.
+            if seq.sampling_params.prompt_logprobs is None:
+                seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.try_allocate(seq, n):
                 self.block_manager.free(seq)

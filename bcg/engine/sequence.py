@@ -44,12 +44,16 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - len(self.prompt_token_ids)
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

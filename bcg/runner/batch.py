@@ -19,13 +19,25 @@ ALIGN_BYTES = 16  # Triton's pointer specialisation: every batch tensor starts o
 
 
 class SamplingOptions(Protocol):
+    """What the runner reads of a request's sampling parameters (`SamplingParams`)."""
+
     temperature: float
     top_k: int  # 0 or less = off
     top_p: float
+    min_p: float  # 0 = off
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float  # 1 = off
+    logit_bias: dict[int, float] | None
+    min_tokens: int  # EOS and stop tokens are banned before this many new tokens
+    stop_token_ids: list[int]
+    logprobs: int | None  # alternatives per sampled token; None = no logprobs
+    prompt_logprobs: int | None  # the same for prompt tokens
 
 
 class ScheduledSequence(Protocol):
     token_ids: list[int]
+    num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V are already in the cache
     block_table: array | list[int]  # array('i') (copied fastest) or a list of ints
     sampling_params: SamplingOptions
@@ -39,6 +51,15 @@ class TopPSampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 0.9
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple = ()
+    logprobs: None = None
+    prompt_logprobs: None = None
 
 
 @dataclass
@@ -48,6 +69,10 @@ class SyntheticSequence:
     num_computed_tokens: int = 0
     sampling_params: SamplingOptions = field(default_factory=TopPSampling)
     generator: None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def samples_this_step(seq: ScheduledSequence, num_new_tokens: int) -> bool:

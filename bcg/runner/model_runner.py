@@ -9,26 +9,38 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from bcg.config import EngineConfig
 from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
 from bcg.layers.attention_backend import attention_backend
-from bcg.layers.sampler import Sampler, SamplingBatch
+from bcg.layers.sampler import Sampler, token_logprobs
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
 from bcg.runner.batch import ScheduledSequence, SyntheticSequence, build_batch, samples_this_step
 from bcg.runner.decode_graph import DecodeGraphRunner
 from bcg.runner.graph_runner import GraphRunner, StackSpec
 from bcg.runner.prefill_graph import PrefillGraphRunner
+from bcg.runner.sampling import PositionLogprobs, SamplingContext, build_sampling_batch, to_python
 from bcg.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class StepResult:
+    token_ids: list[int]  # the sampled token of each sequence that samples, in order
+    logprobs: list[PositionLogprobs | None]  # of each sampled token, where asked for
+    # Sequence index -> (position of its first scored prompt token, their logprobs), for the
+    # sequences asking for prompt logprobs whose prompt this step computed.
+    prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -38,6 +50,7 @@ class ModelRunner:
         self.attention = attention_backend(self.device, c.num_attention_heads,
                                            c.num_key_value_heads, c.head_dim)
         self.sampler = Sampler()
+        self.sampling = SamplingContext(self.device, c.vocab_size, tuple(eos_token_ids))
         self.forward_counts: Counter[str] = Counter()
         # Prefill graphs never touch the cache inside a segment, so they are captured against a
         # one-block stand-in before the cache is sized: their pool is then counted as used.
@@ -75,17 +88,54 @@ class ModelRunner:
                 PrefillGraphRunner.from_config(self.stack_spec, config))
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> list[int]:
-        """Run one step; return the sampled token of each sequence that samples, in order."""
+    def execute(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> StepResult:
+        """Run one step: sample a token for each sequence whose last known token it computes."""
         batch = self.prepare(seqs, num_new_tokens)
         hidden_states = self.forward(batch)
+        prompt_logprobs = self._prompt_logprobs(seqs, num_new_tokens, hidden_states)
         sampling = [s for s, n in zip(seqs, num_new_tokens, strict=True) if samples_this_step(s, n)]
         if not sampling:
-            return []
+            return StepResult([], [], prompt_logprobs)
         # A pure decode samples every row: a view then, not a gather (a launch and a copy).
         rows = batch.sample_indices if len(sampling) < batch.num_tokens else slice(None)
         logits = self.model.compute_logits(hidden_states[rows])
-        return self.sampler(logits, self.sampling_batch(sampling)).tolist()
+        token_ids = self.sampler(logits, build_sampling_batch(sampling, self.sampling))
+        return StepResult(token_ids.tolist(), self._sample_logprobs(sampling, logits, token_ids),
+                          prompt_logprobs)
+
+    def _sample_logprobs(self, seqs: list[ScheduledSequence], logits: torch.Tensor,
+                         token_ids: torch.Tensor) -> list[PositionLogprobs | None]:
+        wanted = [i for i, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+        result: list[PositionLogprobs | None] = [None] * len(seqs)
+        if wanted:
+            tops = [seqs[i].sampling_params.logprobs for i in wanted]
+            index = torch.tensor(wanted, device=logits.device)
+            scored = token_logprobs(logits[index], token_ids[index], max(tops))
+            for i, position in zip(wanted, to_python(scored, tops), strict=True):
+                result[i] = position
+        return result
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSequence], num_new_tokens: list[int],
+                         hidden_states: torch.Tensor) -> dict[int, tuple[int, list]]:
+        """Logprobs of the prompt tokens that this step's rows predict, for the sequences
+        asking for them: the row of position p scores prompt token p + 1."""
+        rows, targets, spans, start = [], [], {}, 0
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+            first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            scored_end = min(end, seq.num_prompt_tokens - 1)
+            if seq.sampling_params.prompt_logprobs is not None and first < scored_end:
+                spans[i] = (first + 1, len(rows), scored_end - first)
+                rows += range(start, start + scored_end - first)
+                targets += seq.token_ids[first + 1 : scored_end + 1]
+            start += n
+        if not rows:
+            return {}
+        tops = [seqs[i].sampling_params.prompt_logprobs for i in spans for _ in range(spans[i][2])]
+        logits = self.model.compute_logits(hidden_states[torch.tensor(rows, device=self.device)])
+        targets = torch.tensor(targets, device=self.device)
+        scored = to_python(token_logprobs(logits, targets, max(tops)), tops)
+        return {i: (position, scored[offset : offset + count])
+                for i, (position, offset, count) in spans.items()}
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The transformer stack on a forward batch: `[num_tokens, hidden]` hidden states,
@@ -108,27 +158,6 @@ class ModelRunner:
 
     def prepare(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
         return build_batch(seqs, num_new_tokens, self.block_size, self.device)
-
-    def sampling_batch(self, seqs: list[ScheduledSequence]) -> SamplingBatch:
-        params = [seq.sampling_params for seq in seqs]
-        generators = [seq.generator for seq in seqs]
-        if all(p.temperature == 0 for p in params):  # no per-row tensors to build and copy
-            return SamplingBatch(temperatures=None, top_k=None, top_p=None, generators=generators,
-                                 all_greedy=True, any_top_k_top_p=False)
-        vocab_size = self.model_config.vocab_size
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        return SamplingBatch(
-            temperatures=self._to_device([p.temperature for p in params], torch.float32),
-            top_k=self._to_device(top_k, torch.int64),
-            top_p=self._to_device([p.top_p for p in params], torch.float32),
-            generators=generators,
-            all_greedy=False,
-            any_top_k_top_p=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
-        )
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
     def _allocate_kv_cache(
         self, config: EngineConfig, max_model_len: int, reserved_bytes: int = 0
@@ -188,7 +217,7 @@ class ModelRunner:
         hidden_states = self.forward(self.prepare(seqs, lengths))  # a graph if captured
         rows = min(max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows])
-        self.sampler(logits, self.sampling_batch([seqs[0]] * rows))
+        self.sampler(logits, build_sampling_batch([seqs[0]] * rows, self.sampling))
         torch.cuda.synchronize(self.device)
         del self.kv_cache, hidden_states, logits
         peak = torch.cuda.max_memory_allocated(self.device)

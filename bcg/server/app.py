@@ -171,7 +171,7 @@ class _Run:
         n = self.body.n
         prompt_tokens = sum(len(self.final[i].prompt_token_ids)
                             for i in range(0, len(self.request_ids), n))
-        completion_tokens = sum(len(o.token_ids) for o in self.final.values())
+        completion_tokens = sum(len(o.outputs[0].token_ids) for o in self.final.values())
         return make_usage(prompt_tokens, completion_tokens).model_dump()
 
     def header(self, kind: str) -> dict:
@@ -183,16 +183,17 @@ class _CompletionFormat:
         self.run = run
 
     def response(self, final: dict[int, RequestOutput]) -> dict:
-        choices = [_completion_choice(i, final[i].text, final[i].finish_reason)
-                   for i in sorted(final)]
+        choices = [_completion_choice(i, final[i].outputs[0].text,
+                                      final[i].outputs[0].finish_reason) for i in sorted(final)]
         return {**self.run.header("text_completion"), "choices": choices,
                 "usage": self.run.usage()}
 
     async def chunks(self) -> AsyncIterator[dict]:
         sent = _DeltaTracker()
         async for index, output in self.run.results():
-            choice = _completion_choice(index, sent.delta(index, output.text),
-                                        output.finish_reason if output.finished else None)
+            completion = output.outputs[0]
+            choice = _completion_choice(index, sent.delta(index, completion.text),
+                                        completion.finish_reason)
             yield {**self.run.header("text_completion"), "choices": [choice]}
         if self.run.body.include_usage:
             yield {**self.run.header("text_completion"), "choices": [],
@@ -204,8 +205,10 @@ class _ChatFormat:
         self.run = run
 
     def response(self, final: dict[int, RequestOutput]) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": final[i].text},
-                    "logprobs": None, "finish_reason": _finish_reason(final[i].finish_reason)}
+        choices = [{"index": i,
+                    "message": {"role": "assistant", "content": final[i].outputs[0].text},
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(final[i].outputs[0].finish_reason)}
                    for i in sorted(final)]
         return {**self.run.header("chat.completion"), "choices": choices,
                 "usage": self.run.usage()}
@@ -216,9 +219,9 @@ class _ChatFormat:
             yield {**header, "choices": [_chat_delta(index, {"role": "assistant", "content": ""})]}
         sent = _DeltaTracker()
         async for index, output in self.run.results():
-            reason = output.finish_reason if output.finished else None
-            delta = {"content": sent.delta(index, output.text)}
-            yield {**header, "choices": [_chat_delta(index, delta, reason)]}
+            completion = output.outputs[0]
+            delta = {"content": sent.delta(index, completion.text)}
+            yield {**header, "choices": [_chat_delta(index, delta, completion.finish_reason)]}
         if self.run.body.include_usage:
             yield {**header, "choices": [], "usage": self.run.usage()}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bcg.engine.llm_engine import LLMEngine
-from bcg.engine.outputs import RequestOutput
+from bcg.engine.outputs import CompletionOutput, RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class EngineLoop:
             route.last = output
             if output.finished:
                 del self._routes[output.request_id]
-                self._count_finished(output.finish_reason)
+                self._count_finished(output.outputs[0].finish_reason)
             deliveries.append((route.outputs, (route.index, output)))
         self._deliver(deliveries)
         self._refresh_snapshot()
@@ -190,7 +190,8 @@ class EngineLoop:
 
     def _end_all(self) -> None:
         self._abort(list(self._routes),
-                    lambda route: replace(route.last, finished=True, finish_reason="abort"))
+                    lambda route: replace(route.last, finished=True, outputs=[
+                        replace(route.last.outputs[0], finish_reason="abort")]))
 
     def _fail_all(self, error: Exception) -> None:
         self._abort(list(self._routes), lambda route: error, count=False)
@@ -223,5 +224,4 @@ def _put_all(deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
 
 def _no_output_yet(request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
     return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_token_ids,
-                         text="", token_ids=[], finished=False, finish_reason=None,
-                         num_cached_tokens=0)
+                         outputs=[CompletionOutput(0, "", [], None)], finished=False)

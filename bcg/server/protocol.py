@@ -44,12 +44,11 @@ class SamplingFields(StrictModel):
     def sampling_params(self, choice_index: int, default_max_tokens: int) -> SamplingParams:
         """The params of one of the `n` choices; with a seed, choice i uses seed + i so the
         choices differ yet repeat across calls."""
-        seed = None if self.seed is None else self.seed + choice_index
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            stop=self.stop or [], seed=seed, ignore_eos=self.ignore_eos,
-        )
+            stop=self.stop or [], seed=self.seed, ignore_eos=self.ignore_eos,
+        ).for_choice(choice_index)
 
     @property
     def include_usage(self) -> bool:
