@@ -249,4 +249,5 @@ def test_step_finished_only_reports_each_request_once_when_it_ends(llm, tiny):
         reported += engine.step(finished_only=True)
     assert all(o.finished for o in reported)
     assert sorted(o.request_id for o in reported) == sorted(ids)
-    assert [o.outputs[0].token_ids for o in sorted(reported, key=lambda o: ids.index(o.request_id))] == tiny[1]
+    in_order = sorted(reported, key=lambda o: ids.index(o.request_id))
+    assert [o.outputs[0].token_ids for o in in_order] == tiny[1]

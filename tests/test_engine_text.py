@@ -74,12 +74,13 @@ def test_empty_and_too_long_prompts_are_refused(llm):
 def test_eos_ends_the_request_unless_ignored(llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     [stopped] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
-    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].token_ids[-1] == llm.tokenizer.eos_token_id
-    ignoring = SamplingParams(temperature=0, max_tokens=len(stopped.outputs[0].token_ids) + 3,
+    stopped = stopped.outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == llm.tokenizer.eos_token_id
+    ignoring = SamplingParams(temperature=0, max_tokens=len(stopped.token_ids) + 3,
                               ignore_eos=True)
     [longer] = llm.chat(messages, ignoring, use_tqdm=False)
     assert longer.outputs[0].finish_reason == "length"
-    assert longer.outputs[0].token_ids[: len(stopped.outputs[0].token_ids)] == stopped.outputs[0].token_ids
+    assert longer.outputs[0].token_ids[: len(stopped.token_ids)] == stopped.token_ids
 
 
 def test_tokenizer_without_a_fast_backend_is_refused():

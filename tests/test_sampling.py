@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from bcg.engine.sampling_params import SamplingParams
-from bcg.layers.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from bcg.layers.sampler import (
+    Penalties,
+    Sampler,
+    SamplingBatch,
+    apply_top_k_top_p,
+    token_logprobs,
+)
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
 
@@ -102,7 +108,7 @@ def test_different_seeds_differ():
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(top_k=2.5), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(seed="x"), "seed"),
@@ -127,3 +133,57 @@ def test_seeded_sampling_on_cuda_is_reproducible():
             torch.full((2,), 0.9, device="cuda"), gens, False, True))[0].item()
 
     assert draw() == draw()
+
+
+def penalised(presence=0.0, frequency=0.0, repetition=1.0, prompt=(), output=()) -> list[int]:
+    """The greedy token of logits [0, 1, 2, 3] after penalties for one row."""
+    tokens = list(prompt) + list(output)
+    sb = SamplingBatch(None, None, None, [None], all_greedy=True, any_top_k_top_p=False,
+                       penalties=Penalties(
+                           rows=torch.tensor([0]), token_ids=torch.tensor([tokens or [4]]),
+                           is_output=torch.tensor([[0.0] * len(prompt) + [1.0] * len(output)
+                                                   or [0.0]]),
+                           presence=torch.tensor([presence]), frequency=torch.tensor([frequency]),
+                           repetition=torch.tensor([repetition])))
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    token = Sampler()(logits, sb).item()
+    assert torch.equal(logits, torch.tensor([[0.0, 1.0, 2.0, 3.0]]))  # input left unchanged
+    return token
+
+
+def test_presence_penalty_counts_generated_tokens_once():
+    assert penalised(presence=1.5, output=[3]) == 2
+    assert penalised(presence=0.9, output=[3, 3, 3]) == 3
+    assert penalised(presence=1.5, prompt=[3]) == 3  # prompt tokens are not penalised
+
+
+def test_frequency_penalty_counts_every_occurrence():
+    assert penalised(frequency=0.8, output=[3]) == 3
+    assert penalised(frequency=0.8, output=[3, 3]) == 2
+
+
+def test_repetition_penalty_divides_seen_logits_prompt_included():
+    assert penalised(repetition=2.0, prompt=[3]) == 2
+    assert penalised(repetition=1.2, prompt=[3]) == 3
+
+
+def test_logit_adds_and_min_p():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    adds = (torch.tensor([0, 0]), torch.tensor([3, 0]), torch.tensor([float("-inf"), 10.0]))
+    sb = SamplingBatch(None, None, None, [None], True, False, logit_adds=adds)
+    assert Sampler()(logits, sb).item() == 0
+    torch.manual_seed(0)
+    rows = 200
+    sb = batch(rows)
+    sb.min_p = torch.full((rows,), 0.5)
+    tokens = Sampler()(PROBS.log()[None].repeat(rows, 1), sb)
+    assert set(tokens.tolist()) == {1, 3}  # 0.05 and 0.15 are below 0.5 x 0.5
+
+
+def test_token_logprobs_rank_and_top():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0]])
+    scored = token_logprobs(logits, torch.tensor([2, 0]), 2)
+    expected = logits.log_softmax(-1)
+    assert torch.allclose(scored.logprobs, expected[[0, 1], [2, 0]])
+    assert scored.ranks.tolist() == [2, 1]
+    assert scored.top_ids[0].tolist() == [1, 2] and scored.top_ids[1, 0] == 0
