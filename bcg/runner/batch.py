@@ -33,6 +33,7 @@ class SamplingOptions(Protocol):
     stop_token_ids: list[int]
     logprobs: int | None  # alternatives per sampled token; None = no logprobs
     prompt_logprobs: int | None  # the same for prompt tokens
+    processes_logits: bool  # any of logit_bias, min_tokens or the penalties is set
 
 
 class ScheduledSequence(Protocol):
@@ -60,6 +61,7 @@ class TopPSampling:
     stop_token_ids: tuple = ()
     logprobs: None = None
     prompt_logprobs: None = None
+    processes_logits: bool = False
 
 
 @dataclass

@@ -7,6 +7,7 @@ rows to sample and the sampler. The runner knows sequences only through `Schedul
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -119,15 +120,19 @@ class ModelRunner:
                          hidden_states: torch.Tensor) -> dict[int, tuple[int, list]]:
         """Logprobs of the prompt tokens that this step's rows predict, for the sequences
         asking for them: the row of position p scores prompt token p + 1."""
-        rows, targets, spans, start = [], [], {}, 0
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
-            first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            scored_end = min(end, seq.num_prompt_tokens - 1)
-            if seq.sampling_params.prompt_logprobs is not None and first < scored_end:
+        wanted = [i for i, s in enumerate(seqs) if s.sampling_params.prompt_logprobs is not None]
+        if not wanted:
+            return {}
+        starts = [0, *itertools.accumulate(num_new_tokens)]
+        rows, targets, spans = [], [], {}
+        for i in wanted:
+            seq = seqs[i]
+            first = seq.num_computed_tokens
+            scored_end = min(first + num_new_tokens[i], seq.num_prompt_tokens - 1)
+            if first < scored_end:
                 spans[i] = (first + 1, len(rows), scored_end - first)
-                rows += range(start, start + scored_end - first)
+                rows += range(starts[i], starts[i] + scored_end - first)
                 targets += seq.token_ids[first + 1 : scored_end + 1]
-            start += n
         if not rows:
             return {}
         tops = [seqs[i].sampling_params.prompt_logprobs for i in spans for _ in range(spans[i][2])]

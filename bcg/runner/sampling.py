@@ -34,8 +34,9 @@ class SamplingContext:
 def build_sampling_batch(seqs: list[ScheduledSequence], ctx: SamplingContext) -> SamplingBatch:
     params = [seq.sampling_params for seq in seqs]
     generators = [seq.generator for seq in seqs]
-    penalties = _penalties(seqs, ctx)
-    logit_adds = _logit_adds(seqs, ctx)
+    processing = [i for i, p in enumerate(params) if p.processes_logits]
+    penalties = _penalties(seqs, processing, ctx) if processing else None
+    logit_adds = _logit_adds(seqs, processing, ctx) if processing else None
     if all(p.temperature < GREEDY_BELOW for p in params):  # no per-row tensors to build
         return SamplingBatch(temperatures=None, top_k=None, top_p=None, generators=generators,
                              all_greedy=True, any_top_k_top_p=False, penalties=penalties,
@@ -61,8 +62,9 @@ def _has_penalties(p: SamplingOptions) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
-def _penalties(seqs: list[ScheduledSequence], ctx: SamplingContext) -> Penalties | None:
-    rows = [i for i, seq in enumerate(seqs) if _has_penalties(seq.sampling_params)]
+def _penalties(seqs: list[ScheduledSequence], candidates: list[int],
+               ctx: SamplingContext) -> Penalties | None:
+    rows = [i for i in candidates if _has_penalties(seqs[i].sampling_params)]
     if not rows:
         return None
     width = max(len(seqs[i].token_ids) for i in rows)
@@ -84,10 +86,11 @@ def _penalties(seqs: list[ScheduledSequence], ctx: SamplingContext) -> Penalties
     )
 
 
-def _logit_adds(seqs: list[ScheduledSequence], ctx: SamplingContext):
+def _logit_adds(seqs: list[ScheduledSequence], candidates: list[int], ctx: SamplingContext):
     """(rows, token ids, values) for logit biases and for tokens banned by min_tokens."""
     rows, token_ids, values = [], [], []
-    for row, seq in enumerate(seqs):
+    for row in candidates:
+        seq = seqs[row]
         p = seq.sampling_params
         for token_id, bias in (p.logit_bias or {}).items():
             if token_id < ctx.vocab_size:
