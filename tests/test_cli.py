@@ -1,19 +1,49 @@
 import dataclasses
+import io
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 
+import bcg
+from bcg import cli
 from bcg.cli import build_parser, engine_config_from_args, main
 from bcg.config import EngineConfig
 from tests.builtin_model import require_builtin_model
 
+FAST = ["--device", "cpu", "--max-model-len", "256"]
 
-def test_every_engine_argument_is_a_documented_flag(capsys):
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    """`bcg ARGV` in this process: (exit status, stdout, stderr); argparse's exits count."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(err: str, *words: str) -> None:
+    assert err.startswith("bcg: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_flag_is_documented(capsys, command):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["generate", "--help"])
+        build_parser().parse_args([command, "--help"])
     help_text = capsys.readouterr().out
     for field in dataclasses.fields(EngineConfig):
         assert "--" + field.name.replace("_", "-") in help_text
         assert field.metadata["help"]
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    for action in subparsers.choices[command]._actions:
+        assert action.help, action.option_strings or action.dest
 
 
 def test_flags_reach_the_engine_config():
@@ -27,6 +57,76 @@ def test_flags_reach_the_engine_config():
     assert config.kv_cache_tokens == 4096 and config.model is None
 
 
+@pytest.mark.parametrize("spelling,dtype", [
+    ("half", "float16"), ("float", "float32"), ("float16", "float16"),
+    ("bfloat16", "bfloat16"), ("float32", "float32"), ("auto", "auto"),
+])
+def test_dtype_takes_vllm_spellings(spelling, dtype):
+    args = build_parser().parse_args(["generate", "hi", "--dtype", spelling])
+    assert engine_config_from_args(args).dtype == dtype
+
+
+def test_enforce_eager_turns_every_graph_off():
+    config = engine_config_from_args(build_parser().parse_args(["generate", "hi",
+                                                                "--enforce-eager"]))
+    assert config.enforce_eager and (config.prefill_graph, config.decode_graph) == ("none", "none")
+    config = engine_config_from_args(build_parser().parse_args(["generate", "hi"]))
+    assert not config.enforce_eager and config.prefill_graph == "breakable"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == bcg.__version__
+
+
+def test_python_dash_m_bcg_is_the_command():
+    result = subprocess.run([sys.executable, "-m", "bcg", "--version"], capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stdout.strip()) == (0, bcg.__version__)
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """`bcg serve` with the server replaced: what it would have served."""
+    import bcg.server.serve
+
+    calls = []
+    monkeypatch.setattr(bcg.server.serve, "serve", lambda *args: calls.append(args))
+    return calls
+
+
+def test_serve_takes_the_model_as_vllm_does(served, capsys):
+    assert main(["serve", "qwen3-0.6b", "--load-format", "dummy", "--port", "8123"]) == 0
+    config, host, port, name, settings = served[-1]
+    assert (config.model, config.load_format, host, port, name) == \
+        ("qwen3-0.6b", "dummy", "127.0.0.1", 8123, None)
+    assert main(["serve", "--model", "qwen3-0.6b", "--max-sequences-per-request", "3"]) == 0
+    assert served[-1][0].model == "qwen3-0.6b" and served[-1][4].max_sequences_per_request == 3
+    assert main(["serve", "qwen3-0.6b", "--model", "qwen3-0.6b"]) == 0
+    code, _, err = run_cli(["serve", "qwen3-0.6b", "--model", "qwen3-8b"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "qwen3-0.6b", "qwen3-8b", "--model")
+    assert len(served) == 3
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])
+def test_a_port_out_of_range_is_refused(capsys, port):
+    code, _, err = run_cli(["serve", "--port", port], capsys)
+    assert code == 2
+    assert_one_line_error(err, "--port", port)
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(["serve", "--port", str(port), "--model", "/nonexistent"], capsys)
+    assert code in (1, 2)
+    assert_one_line_error(err, str(port))
+
+
 def test_generate_answers_a_question_with_the_builtin_model(capsys):
     require_builtin_model()
     code = main(["generate", "--chat", "--device", "cpu", "--max-tokens", "12", "--no-progress",
@@ -35,11 +135,186 @@ def test_generate_answers_a_question_with_the_builtin_model(capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+class RecordingStdout(io.StringIO):
+    """stdout that remembers each write, to see text arrive in pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_one_prompt_streams_from_stdin(monkeypatch, capsys):
+    """The text arrives token by token, reads '-' from stdin, shows no progress bar, and is
+    what LLM.generate returns for the same prompt."""
+    require_builtin_model()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The capital of France is\n"))
+    out = RecordingStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    built = []
+    from bcg.engine import llm as llm_module
+
+    class KeptLLM(llm_module.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(llm_module, "LLM", KeptLLM)
+    assert main(["generate", "-", "--max-tokens", "8", *FAST]) == 0
+    assert "Generating" not in capsys.readouterr().err
+    pieces = [w for w in out.writes if w]
+    assert pieces[0] == "The capital of France is" and pieces[-1] == "\n"
+    assert len(pieces) >= 5  # the prompt, several tokens' text, the newline
+    from bcg.engine.sampling_params import SamplingParams
+
+    [expected] = built[0].generate("The capital of France is",
+                                   SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.getvalue() == "The capital of France is" + expected.outputs[0].text + "\n"
+
+
+def test_many_prompts_get_a_progress_bar(capsys):
+    require_builtin_model()
+    assert main(["generate", "--max-tokens", "2", *FAST, "One", "Two"]) == 0
+    captured = capsys.readouterr()
+    assert "Generating" in captured.err
+    assert captured.out.startswith("### One\nOne") and "### Two\nTwo" in captured.out
+
+
+@pytest.mark.parametrize("stdin,argv,message", [
+    ("hi", ["-", "-"], "only once"),
+    ("\n", ["-"], "empty"),
+])
+def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code, _, err = run_cli(["generate", *argv], capsys)
+    assert code == 2
+    assert_one_line_error(err, message)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "no-such-model", "hi"], "unknown model"),
-    (["generate", "--temperature", "-1", "hi"], "temperature"),
-    (["generate", "--block-size", "0", "hi"], "block_size"),
+    (["generate", "--temperature", "-1", "hi"], "--temperature"),
+    (["generate", "--block-size", "0", "hi"], "--block-size"),
+    (["generate", "--max-tokens", "abc", "hi"], "--max-tokens"),
+    (["generate", "--max-tokens", "-1", "hi"], "--max-tokens"),
+    (["generate", "--top-p", "0", "hi"], "--top-p"),
+    (["generate", "--temperature", "nan", "hi"], "--temperature"),
+    (["generate", "--max-model-len", "0", "hi"], "--max-model-len"),
+    (["generate", "--kv-cache-tokens", "-5", "hi"], "--kv-cache-tokens"),
+    (["generate", "--gpu-memory-utilization", "2", "hi"], "--gpu-memory-utilization"),
+    (["generate", "--max-num-seqs", "1.5", "hi"], "--max-num-seqs"),
+    (["generate", "--dtype", "int8", "hi"], "--dtype"),
+    (["generate", "--prefill-graph-tokens", "a,b", "hi"], "--prefill-graph-tokens"),
+    (["serve", "--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+    (["generate", "--model", "/nonexistent", "hi"], "'/nonexistent' does not exist"),
+    (["generate", "--model", "models/missing.gguf", "hi"], "does not exist"),
+    (["generate", "--tokenizer", "/missing", "hi"], "'/missing' does not exist"),
+    ([], "COMMAND"),
 ])
-def test_bad_input_exits_with_a_clear_message(capsys, argv, message):
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
+def test_bad_input_exits_with_a_one_line_error(capsys, argv, message):
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2
+    assert_one_line_error(err, message)
+    assert "Hugging Face Hub" not in err
+
+
+def test_engine_errors_at_start_up_print_one_line(capsys):
+    require_builtin_model()
+    code, _, err = run_cli(["generate", "--device", "cpu", "--max-model-len", "100000", "hi"],
+                           capsys)
+    assert code == 2
+    assert_one_line_error(err, "max_model_len=100000", "8192")
+
+
+def test_a_prompt_longer_than_the_limit_is_one_line(capsys):
+    require_builtin_model()
+    code, _, err = run_cli(["generate", "--max-tokens", "300", *FAST, "hi"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "max_model_len=256")
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    """Bad .gguf files, made from the built-in one."""
+    data = require_builtin_model().read_bytes()
+
+    def make(name: str, content: bytes):
+        path = tmp_path / name
+        path.write_bytes(content)
+        return path
+
+    return data, make
+
+
+def test_bad_model_files_are_one_line_errors(tmp_path, capsys, gguf_file):
+    from bcg.loader.gguf_reader import GGUFFile
+
+    data, make = gguf_file
+    data_start = GGUFFile(require_builtin_model()).tensors[0].offset
+    cases = {
+        make("header-cut.gguf", data[:5000]): "truncated",
+        make("data-cut.gguf", data[:data_start + 4096]): "truncated",
+        make("garbage.gguf", data[:24] + bytes(range(256)) * 64): "corrupt",
+        make("empty.gguf", b""): "empty",
+        make("text.gguf", b"hello, I am not a model"): "not a GGUF file",
+    }
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    cases[folder / "config.json"] = "not valid JSON"
+    for path, message in cases.items():
+        model = str(path.parent if path.name == "config.json" else path)
+        code, _, err = run_cli(["generate", "--model", model, "--device", "cpu", "hi"], capsys)
+        assert code == 2, err
+        assert_one_line_error(err, str(path), message)
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    code, _, err = run_cli(["generate", "--model", str(folder), "hi"], capsys)
+    assert code == 2
+    assert_one_line_error(err, str(folder / "config.json"), "lacks", "num_attention_heads")
+
+
+def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
+    import bcg.server.serve
+    from bcg.engine import llm as llm_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm_module, "LLM", interrupted)
+    monkeypatch.setattr(bcg.server.serve, "serve", interrupted)
+    for argv in (["generate", "hi"], ["serve"]):
+        code, _, err = run_cli(argv, capsys)
+        assert (code, err) == (130, "bcg: interrupted\n")
+
+
+def test_ctrl_c_while_streaming_exits_130_without_a_traceback():
+    require_builtin_model()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bcg", "generate", "--max-tokens", "200", "--ignore-eos",
+         *FAST, "Once upon a time"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.read(len("Once upon a time") + 3).startswith("Once upon a time")
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "bcg: interrupted" and "Traceback" not in err
+    assert out.endswith("\n")
+
+
+def test_a_closed_pipe_is_not_an_error(monkeypatch):
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError
+
+        def fileno(self):
+            raise io.UnsupportedOperation
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    monkeypatch.setattr(cli, "_generate", lambda args: print("text"))
+    assert main(["generate", "hi"]) == cli.EXIT_BROKEN_PIPE

@@ -1,10 +1,6 @@
 """`bcg serve` on 127.0.0.1 with the built-in SmolLM2, driven by the official openai client."""
 
 import json
-import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,61 +8,25 @@ import pytest
 
 from bcg.engine.sampling_params import SamplingParams
 from tests.builtin_model import require_builtin_model
+from tests.server_process import (
+    MAX_MODEL_LEN,
+    MODEL,
+    PROMPT,
+    QUESTION,
+    running_server,
+    send_headers_only,
+)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 512
-STARTUP_SECONDS = 120
-PROMPT = "The days of the week are Monday,"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     require_builtin_model()
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bcg.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
-         "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_healthy(base, process)
+    with running_server(["--max-model-len", str(MAX_MODEL_LEN)]) as base:
         yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert code == 0, f"the server exited with {code} on SIGTERM"
-
-
-def _wait_until_healthy(base: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited at start-up:\n{process.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    pytest.fail(f"the server was not healthy within {STARTUP_SECONDS} s")
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +243,17 @@ def test_a_prompt_repeated_for_n_choices_is_tokenized_once():
     assert loop._token_ids([text, text, text, other]) == [[104, 101, 108, 108, 111]] * 3 + [
         [104, 105]]
     assert CountingEngine.calls == 2
+
+
+def test_default_limits(server):
+    status, headers, body = send_headers_only(server, "/v1/completions", 9 * 2**20)
+    assert status == 413 and headers["connection"] == "close"
+    assert "8388608" in body["error"]["message"]
+    assert "--max-request-body-bytes" in body["error"]["message"]
+    prompts = [[1, 2, 3]] * 129
+    response = httpx.post(f"{server}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 1})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "258" in message and "256" in message and "--max-sequences-per-request" in message
+    assert httpx.head(f"{server}/health", timeout=10).status_code == 200

@@ -80,6 +80,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, source, self.max_model_len,
                                   tuple(sorted(self.eos_token_ids)))
+        self.max_model_len = self.runner.max_model_len  # lowered if the KV cache is smaller
         if config.verify_graphs and self.runner.graph_runners:
             verify_graphs(self.runner)
         block_manager = BlockManager(
@@ -271,6 +272,9 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         require(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        bad_bias = [t for t in params.logit_bias or {} if t >= vocab_size]
+        require(not bad_bias, f"logit_bias names token ids {bad_bias[:5]} outside the "
+                f"vocabulary [0, {vocab_size})")
         require(len(token_ids) < self.max_model_len,
                 f"the prompt has {len(token_ids)} tokens but max_model_len is "
                 f"{self.max_model_len}: shorten it (or raise max_model_len)")

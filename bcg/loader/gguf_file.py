@@ -39,33 +39,51 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def read_gguf_config(gguf: GGUFFile) -> dict:
-    """The Hugging Face `config.json` equivalent of the file's metadata."""
+    """The Hugging Face `config.json` equivalent of the file's metadata; ValueError naming the
+    file if the metadata lacks a field the model needs (or holds the wrong kind of value)."""
     meta = gguf.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: "
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
     names = {t.name for t in gguf.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError("GGUF files with baked rope frequencies (Llama 3.1 rope scaling) are "
-                         "not supported: use the Hugging Face safetensors folder instead")
-    heads = _required(meta, f"{arch}.attention.head_count")
+        raise ValueError(f"{gguf.path}: GGUF files with baked rope frequencies (Llama 3.1 rope "
+                         "scaling) are not supported: use the Hugging Face safetensors folder "
+                         "instead")
+    if "token_embd.weight" not in names:
+        raise ValueError(f"{gguf.path} has no token_embd.weight tensor: not a complete model")
+
+    def required(key: str, kind: type | tuple[type, ...] = int):
+        if key not in meta:
+            raise ValueError(f"{gguf.path}: GGUF metadata lacks {key!r}")
+        return checked(key, kind)
+
+    def checked(key: str, kind: type | tuple[type, ...] = int, default=None):
+        value = meta.get(key, default)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise ValueError(f"{gguf.path}: GGUF metadata {key!r} is {value!r}, not a "
+                             f"{getattr(kind, '__name__', 'number')}")
+        return value
+
+    number = (int, float)
+    heads = required(f"{arch}.attention.head_count")
     return {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "vocab_size": len(_required(meta, "tokenizer.ggml.tokens")),
-        "hidden_size": _required(meta, f"{arch}.embedding_length"),
-        "intermediate_size": _required(meta, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _required(meta, f"{arch}.block_count"),
+        "vocab_size": len(required("tokenizer.ggml.tokens", list)),
+        "hidden_size": required(f"{arch}.embedding_length"),
+        "intermediate_size": required(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": required(f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": meta.get(f"{arch}.attention.key_length"),
-        "rms_norm_eps": _required(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": _required(meta, f"{arch}.context_length"),
+        "num_key_value_heads": checked(f"{arch}.attention.head_count_kv", int, heads),
+        "head_dim": checked(f"{arch}.attention.key_length"),
+        "rms_norm_eps": required(f"{arch}.attention.layer_norm_rms_epsilon", number),
+        "rope_theta": checked(f"{arch}.rope.freq_base", number, 10000.0),
+        "max_position_embeddings": required(f"{arch}.context_length"),
         "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": checked("tokenizer.ggml.eos_token_id"),
     }
 
 
@@ -98,8 +116,3 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     (its rotary pairs adjacent dimensions; ours pairs dimension i with i + head_dim / 2)."""
     return weight.reshape(num_heads, -1, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
-
-def _required(metadata: dict, key: str):
-    if key not in metadata:
-        raise ValueError(f"GGUF metadata lacks {key!r}")
-    return metadata[key]

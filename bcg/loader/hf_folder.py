@@ -1,4 +1,8 @@
-"""Hugging Face model folders: config.json and one or more .safetensors files."""
+"""Hugging Face model folders: config.json and one or more .safetensors files.
+
+A file that is not JSON, is not a JSON object, or a weight file that safetensors cannot
+open raises ValueError naming the file.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,37 @@ from safetensors import safe_open
 from bcg.models.config import as_id_list
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a JSON file (it is not UTF-8 text)") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror or error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
 def read_hf_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: is it a Hugging Face model folder?")
-    return json.loads(path.read_text())
+    return read_json_object(path)
 
 
 def read_generation_eos(folder: Path) -> list[int]:
     """EOS ids of `generation_config.json` (chat models often list more than config.json)."""
     path = folder / "generation_config.json"
-    return as_id_list(json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None)
+    if not path.is_file():
+        return []
+    eos = read_json_object(path).get("eos_token_id")
+    if not (eos is None or _is_id(eos) or (isinstance(eos, list) and all(map(_is_id, eos)))):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return as_id_list(eos)
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -33,6 +57,15 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             f"{folder} has no .safetensors weights (PyTorch .bin checkpoints are not supported)"
         )
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as error:  # safetensors' own error type is not importable portably
+            raise ValueError(f"{file} is not a valid safetensors file ({error}): an "
+                             "incomplete download?") from None
+        with handle as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

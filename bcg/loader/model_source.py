@@ -3,11 +3,17 @@
 `model` may be: None (the built-in SmolLM2-135M-Instruct GGUF), a Hugging Face folder, a
 .gguf file (or a folder holding exactly one), a preset name (dummy weights), or a Hugging
 Face Hub id `org/name` (downloaded when `huggingface_hub` can reach the Hub).
+
+Local paths win: only a name shaped like `org/name` that is no local path goes to the Hub;
+any other missing path is reported as a path that does not exist. Files that cannot be read
+as what they claim to be raise ValueError naming the file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +22,21 @@ import torch
 
 from bcg.loader.builtin import BUILTIN_NAME, builtin_gguf_path
 from bcg.loader.gguf_file import iter_gguf_tensors, read_gguf_config
-from bcg.loader.gguf_reader import GGUFFile
+from bcg.loader.gguf_reader import GGUF_MAGIC, GGUFFile
 from bcg.loader.hf_folder import iter_safetensors, read_generation_eos, read_hf_config
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
+from bcg.models.registry import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_FILE_SUFFIXES = (".gguf", ".json", ".safetensors", ".bin")
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "max_position_embeddings")
 
 WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -53,12 +66,19 @@ def _resolve_weights(model: str | None) -> ModelSource:
         logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
         return ModelSource(model, ModelConfig.from_hf_dict(PRESETS[model]), None, None)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _gguf_source(path, model)
     if path.is_dir():
         return _folder_source(path, model)
-    if model.count("/") == 1 and not path.exists():
+    if path.is_file():
+        if path.suffix == ".gguf" or _starts_with(path, GGUF_MAGIC):
+            return _gguf_source(path, model)
+        raise ValueError(f"model {model!r} is a file but not a GGUF file: pass a .gguf file or "
+                         "a Hugging Face model folder")
+    if path.exists():
+        raise ValueError(f"model {model!r} is neither a folder nor a file")
+    if is_hub_id(model):
         return _folder_source(_download_from_hub(model), model)
+    if looks_like_path(model):
+        raise ValueError(f"model path {model!r} does not exist")
     raise ValueError(
         f"unknown model {model!r}: pass a Hugging Face folder, a .gguf file, a Hub id "
         f"(org/name), or a preset for dummy weights ({', '.join(sorted(PRESETS))}); "
@@ -66,11 +86,23 @@ def _resolve_weights(model: str | None) -> ModelSource:
     )
 
 
+def is_hub_id(name: str) -> bool:
+    """Shaped like a Hugging Face Hub id, `org/name` (callers check local paths first)."""
+    return (_HUB_ID.fullmatch(name) is not None and ".." not in name
+            and not name.endswith(_FILE_SUFFIXES))
+
+
+def looks_like_path(name: str) -> bool:
+    """A name that can only mean a file or folder (so, if missing, is reported as a path)."""
+    return ("/" in name or os.sep in name or name.startswith(("~", "."))
+            or name.endswith(_FILE_SUFFIXES))
+
+
 def _folder_source(folder: Path, name: str) -> ModelSource:
     ggufs = sorted(folder.glob("*.gguf"))
     if not (folder / "config.json").is_file() and len(ggufs) == 1:
         return _gguf_source(ggufs[0], name)
-    config = ModelConfig.from_hf_dict(read_hf_config(folder))
+    config = _model_config(read_hf_config(folder), folder / "config.json")
     config.eos_token_ids = sorted({*config.eos_token_ids, *read_generation_eos(folder)})
     has_tokenizer = any((folder / f).is_file() for f in TOKENIZER_FILES)
     return ModelSource(name, config, lambda: iter_safetensors(folder),
@@ -81,7 +113,35 @@ def _gguf_source(path: Path, name: str) -> ModelSource:
     gguf = GGUFFile(path)
     hf_config = read_gguf_config(gguf)
     weights = lambda: iter_gguf_tensors(gguf, hf_config)
-    return ModelSource(name, ModelConfig.from_hf_dict(hf_config), weights, path, True)
+    return ModelSource(name, _model_config(hf_config, path), weights, path, True)
+
+
+def _model_config(hf_config: dict, origin: Path) -> ModelConfig:
+    """The model config, or ValueError naming `origin` if a needed field is missing or bad."""
+    try:
+        config = ModelConfig.from_hf_dict(hf_config)
+    except KeyError as error:
+        raise ValueError(f"{origin} lacks {error.args[0]!r}, which the model needs") from None
+    except (TypeError, ZeroDivisionError, AttributeError) as error:
+        raise ValueError(f"{origin} holds a bad value ({error})") from None
+    except ValueError as error:
+        raise ValueError(f"{origin}: {error}") from None
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(f"{origin}: architecture {config.architecture!r} is not supported; "
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    for field in _POSITIVE_FIELDS:
+        value = getattr(config, field)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{origin}: {field} must be a positive integer, got {value!r}")
+    return config
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(magic)) == magic
+    except OSError:
+        return False
 
 
 def _download_from_hub(repo_id: str) -> Path:
@@ -92,6 +152,14 @@ def _download_from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:
         raise ValueError(
-            f"could not fetch {repo_id!r} from the Hugging Face Hub ({error}); pass a local "
-            f"folder or .gguf file instead"
-        ) from error
+            f"{repo_id!r} is not a local path, and fetching it from the Hugging Face Hub failed "
+            f"({first_line(error)}); pass a local folder or .gguf file instead"
+        ) from None
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message (library messages often run to paragraphs)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (
+        lines[0] if lines else type(error).__name__)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from bcg.loader.model_source import ModelSource
+from bcg.loader.model_source import (
+    TOKENIZER_FILES,
+    ModelSource,
+    first_line,
+    is_hub_id,
+    looks_like_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +28,43 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(
     source: ModelSource, override: str | None = None
 ) -> PreTrainedTokenizerBase | None:
-    """`override` (a folder or Hub id) wins; else the model's own; None if it has none."""
+    """`override` (a folder, a .gguf file or a Hub id) wins; else the model's own; None if
+    it has none. A missing path or a tokenizer that does not load raises ValueError naming
+    it; only a name shaped like a Hub id (`org/name`) that is no local path goes to the Hub."""
     if override is not None:
-        return AutoTokenizer.from_pretrained(override)
+        return _load_override(override)
     path = source.tokenizer_path
     if path is None:
         return None
     if source.gguf_tokenizer:
         return _gguf_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
+    return _from_pretrained(str(path), f"the tokenizer of {path}")
+
+
+def _load_override(name: str) -> PreTrainedTokenizerBase:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"tokenizer folder {name!r} has none of {', '.join(TOKENIZER_FILES)}")
+        return _from_pretrained(str(path), f"tokenizer {name!r}")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _gguf_tokenizer(path)
+        raise ValueError(f"tokenizer {name!r} is a file: pass the folder holding it (or a "
+                         ".gguf file)")
+    if is_hub_id(name):
+        return _from_pretrained(name, f"tokenizer {name!r} (not a local path, so from the "
+                                      "Hugging Face Hub)")
+    if looks_like_path(name):
+        raise ValueError(f"tokenizer path {name!r} does not exist")
+    raise ValueError(f"tokenizer {name!r} is neither a local folder nor a Hub id (org/name)")
+
+
+def _from_pretrained(name: str, what: str, **kwargs) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"could not load {what}: {first_line(error)}") from None
 
 
 def tokenizer_cache_dir() -> Path:
@@ -41,8 +75,9 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     stat = path.stat()
     cached = tokenizer_cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if cached.is_dir():
-        return AutoTokenizer.from_pretrained(str(cached))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return _from_pretrained(str(cached), f"the cached tokenizer {cached}")
+    tokenizer = _from_pretrained(str(path.parent), f"the tokenizer of {path}",
+                                 gguf_file=path.name)
     _save_atomically(tokenizer, cached)
     return tokenizer
 

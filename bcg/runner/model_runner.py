@@ -23,6 +23,7 @@ from bcg.loader.model_source import ModelSource
 from bcg.runner.batch import ScheduledSequence, SyntheticSequence, build_batch, samples_this_step
 from bcg.runner.decode_graph import DecodeGraphRunner
 from bcg.runner.graph_runner import GraphRunner, StackSpec
+from bcg.runner.host import cpu_kv_cache_budget, warn_if_cores_contended
 from bcg.runner.prefill_graph import PrefillGraphRunner
 from bcg.runner.sampling import PositionLogprobs, SamplingContext, build_sampling_batch, to_python
 from bcg.utils import cdiv
@@ -169,13 +170,23 @@ class ModelRunner:
     ) -> KVCache:
         num_blocks = self._num_kv_blocks(config, max_model_len, reserved_bytes)
         capacity = num_blocks * self.block_size
+        gib = num_blocks * self._kv_block_bytes() / 2**30
         if capacity < max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens, fewer than max_model_len={max_model_len}: "
-                "raise gpu_memory_utilization or kv_cache_tokens, or lower max_model_len"
-            )
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
-                    self.block_size, capacity)
+            if capacity == 0:
+                raise ValueError(f"no memory is left for the KV cache: {self._kv_short_hint()}")
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({gib:.2f} GiB), fewer than "
+                    f"max_model_len={max_model_len}: {self._kv_short_hint()}, or lower "
+                    f"max_model_len (to {capacity} or less)"
+                )
+            # max_model_len was the model's context length by default: fit it to the cache.
+            logger.warning("max_model_len lowered from the model's context length %d to %d "
+                           "tokens, what the KV cache (%.2f GiB) holds: set max_model_len or "
+                           "kv_cache_tokens to choose", max_model_len, capacity, gib)
+            self.max_model_len = capacity
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks,
+                    self.block_size, capacity, gib)
         return self._new_kv_cache(num_blocks)
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:
@@ -184,14 +195,33 @@ class ModelRunner:
                        c.head_dim, self.dtype, self.device)
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, reserved_bytes: int) -> int:
+        if self.device.type != "cuda":
+            warn_if_cores_contended()
         if config.kv_cache_tokens is not None:
             return cdiv(config.kv_cache_tokens, self.block_size)
         if self.device.type != "cuda":
-            return cdiv(max_model_len, self.block_size)
+            return self._cpu_kv_blocks(config, max_model_len)
+        return max(0, self._free_kv_bytes(config, max_model_len) - reserved_bytes) \
+            // self._kv_block_bytes()
+
+    def _cpu_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+        """max_model_len tokens, within min(4 GiB, 25% of the available memory); a
+        max_model_len the user set gets its tokens while they fit in 90% of it."""
+        budget, self._cpu_kv_budget = cpu_kv_cache_budget(asked=config.max_model_len is not None)
+        return min(cdiv(max_model_len, self.block_size), budget // self._kv_block_bytes())
+
+    def _kv_block_bytes(self) -> int:
         c = self.model_config
-        block_bytes = KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
-                                              c.num_key_value_heads, c.head_dim, self.dtype)
-        return max(0, self._free_kv_bytes(config, max_model_len) - reserved_bytes) // block_bytes
+        return KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
+                                       c.num_key_value_heads, c.head_dim, self.dtype)
+
+    def _kv_short_hint(self) -> str:
+        """How to get a larger cache, for the error when it cannot hold max_model_len."""
+        if self.device.type == "cuda":
+            return "raise gpu_memory_utilization or kv_cache_tokens"
+        budget = getattr(self, "_cpu_kv_budget", None)
+        return ("raise kv_cache_tokens" if budget is None
+                else f"the CPU cache may take {budget}; raise kv_cache_tokens")
 
     def _free_kv_bytes(self, config: EngineConfig, max_model_len: int) -> int:
         """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now

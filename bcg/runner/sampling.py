@@ -92,11 +92,10 @@ def _logit_adds(seqs: list[ScheduledSequence], candidates: list[int], ctx: Sampl
     for row in candidates:
         seq = seqs[row]
         p = seq.sampling_params
-        for token_id, bias in (p.logit_bias or {}).items():
-            if token_id < ctx.vocab_size:
-                rows.append(row)
-                token_ids.append(token_id)
-                values.append(float(bias))
+        for token_id, bias in (p.logit_bias or {}).items():  # ids checked on admission
+            rows.append(row)
+            token_ids.append(token_id)
+            values.append(float(bias))
         if len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
             banned = {*ctx.eos_token_ids, *p.stop_token_ids}
             banned = [t for t in banned if t < ctx.vocab_size]

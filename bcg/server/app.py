@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI routes over one `EngineLoop`.
+"""The FastAPI application: OpenAI routes (and vLLM's extra ones) over one `EngineLoop`.
 
 Every generation route turns its body into engine requests (one per prompt and choice),
 then either collects the outputs into one JSON response or streams them as server-sent
@@ -8,31 +8,50 @@ events. A client that goes away aborts its requests, which frees their KV blocks
 from __future__ import annotations
 
 import asyncio
+import http
 import json
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from bcg import __version__
 from bcg.engine.llm_engine import LLMEngine
 from bcg.engine.outputs import RequestOutput
-from bcg.server.engine_loop import EngineLoop, Prompt
+from bcg.server.engine_loop import EngineLoop, EngineSnapshot, Prompt
+from bcg.server.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+)
 from bcg.server.metrics import render_metrics
 from bcg.server.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     error_body,
     make_usage,
     new_id,
     now,
 )
+from bcg.server.serve import ServerSettings
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_SECONDS = 0.5
+
+logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("bcg.server.access")
 
 
 class ApiError(Exception):
@@ -41,36 +60,65 @@ class ApiError(Exception):
         self.status, self.param = status, param
 
 
-def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
+def create_app(engine: LLMEngine, model_name: str,
+               settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
     engine_loop = EngineLoop(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine_loop.start(asyncio.get_running_loop())
+        stats = None
+        if not settings.disable_log_stats:
+            stats = asyncio.create_task(_log_stats(engine_loop.snapshot,
+                                                   settings.log_stats_interval))
         yield
+        if stats is not None:
+            stats.cancel()
         engine_loop.stop()
+        snap = engine_loop.snapshot
+        logger.info("server stopped after %d engine requests (%d prompt tokens, %d generated "
+                    "tokens; finished: %s)", snap.num_requests, snap.num_prompt_tokens,
+                    snap.num_generation_tokens, snap.finished or "none")
 
-    app = FastAPI(title="bcg", lifespan=lifespan)
+    app = FastAPI(title="bcg", version=__version__, lifespan=lifespan)
     app.state.engine_loop = engine_loop
+    app.state.settings = settings
     _add_error_handlers(app)
-    server = _Server(engine_loop, model_name, engine.max_model_len)
+    app.add_middleware(_BodySizeLimit, limit=settings.max_request_body_bytes)
+    if not settings.disable_access_log:
+        app.add_middleware(_AccessLog)  # added last: outermost, so it logs 413s too
+    server = _Server(engine, engine_loop, model_name, settings)
 
-    app.get("/health")(server.health)
+    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])
+    app.get("/version")(server.version)
     app.get("/v1/models")(server.models)
     app.get("/metrics")(server.metrics)
+    app.get("/tokenizer_info")(server.tokenizer_info)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     return app
 
 
 class _Server:
-    def __init__(self, engine_loop: EngineLoop, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: LLMEngine, engine_loop: EngineLoop, model_name: str,
+                 settings: ServerSettings) -> None:
         self.engine_loop = engine_loop
         self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.settings = settings
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.tokenizer = engine.tokenizer
+        self.eos_token_ids = sorted(engine.eos_token_ids)
+        self.text = TokenText(engine.tokenizer)
 
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    async def version(self) -> dict:
+        return {"version": __version__}
 
     async def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "bcg",
@@ -81,48 +129,154 @@ class _Server:
         text = render_metrics(self.engine_loop.snapshot, self.model_name)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    async def tokenizer_info(self) -> JSONResponse:
+        return JSONResponse(await self.engine_loop.call(self._tokenizer_info))
+
+    async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError("send either `prompt` (text) or `messages` (a conversation)",
+                           param="prompt")
+        self._require_tokenizer()
+        tokenizer = self.tokenizer
+        if body.prompt is not None:
+            special = body.add_special_tokens is not False
+            encode = lambda: tokenizer.encode(body.prompt, add_special_tokens=special)
+        else:
+            messages = [m.as_template_input() for m in body.messages]
+            special = bool(body.add_special_tokens)
+            generation_prompt = body.add_generation_prompt is not False
+            encode = lambda: tokenizer.encode(
+                self._render_chat(messages, generation_prompt), add_special_tokens=special)
+
+        def run() -> dict:
+            tokens = encode()
+            strings = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+            return {"count": len(tokens), "max_model_len": self.max_model_len,
+                    "tokens": tokens, "token_strs": strings}
+
+        return JSONResponse(await self._on_engine_thread(run))
+
+    async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
+        self._check_model(body.model)
+        self._require_tokenizer()
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(f"token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="tokens")
+        text = await self._on_engine_thread(lambda: self.tokenizer.decode(body.tokens))
+        return JSONResponse({"prompt": text})
+
     async def completions(self, body: CompletionRequest, request: Request):
         prompts = body.prompts()
         if not prompts:
             raise ApiError("the prompt is empty", param="prompt")
-        run = await self._start(body, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
-        formatter = _CompletionFormat(run)
+        run = await self._start(body, prompts, lambda _: COMPLETION_DEFAULT_MAX_TOKENS)
+        formatter = _CompletionFormat(run, self.text)
         if body.stream:
             return _sse(run.stream(formatter.chunks()))
-        return formatter.response(await run.collect(request))
+        return JSONResponse(formatter.response(await run.collect(request)))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         messages = [m.as_template_input() for m in body.messages]
-        run = await self._start(body, [messages], self.max_model_len)
-        formatter = _ChatFormat(run)
+        run = await self._start(
+            body, [messages],
+            lambda prompt_len: body.default_max_tokens(prompt_len, self.max_model_len))
+        formatter = _ChatFormat(run, self.text)
         if body.stream:
             return _sse(run.stream(formatter.chunks()))
-        return formatter.response(await run.collect(request))
+        return JSONResponse(formatter.response(await run.collect(request)))
 
     async def _start(self, body: SamplingFields, prompts: list[Prompt],
-                     default_max_tokens: int) -> _Run:
-        if body.model != self.model_name:
-            raise ApiError(f"model {body.model!r} is not served here; this server serves "
-                           f"{self.model_name!r} (see GET /v1/models)", param="model")
-        engine_prompts = [p for p in prompts for _ in range(body.n)]
+                     default_max_tokens: Callable[[int], int]) -> _Run:
+        """Check the request, then add its engine requests: choice i of prompt p is engine
+        request p * n + i; `default_max_tokens(prompt length)` unless the body sets it."""
+        self._check_model(body.model)
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            field, why = unsupported
+            raise ApiError(f"{field}: {why}", param=field)
+        n = body.num_choices
+        limit = self.settings.max_sequences_per_request
+        if len(prompts) * n > limit:
+            raise ApiError(
+                f"this request asks for {len(prompts) * n} sequences ({len(prompts)} prompts x "
+                f"n={n}) but the server allows {limit} per request "
+                "(--max-sequences-per-request): split it", param="n" if n > 1 else "prompt")
+        bad = [t for t in body.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ApiError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="logit_bias")
+
+        def make_params(index: int, token_ids: list[int]):
+            max_tokens = body.max_tokens
+            if max_tokens is None:
+                max_tokens = default_max_tokens(len(token_ids))
+            return body.sampling_params(max_tokens).for_choice(index % n)
+
+        engine_prompts = [p for p in prompts for _ in range(n)]
+        outputs: asyncio.Queue = asyncio.Queue()
         try:
-            params = [body.sampling_params(j, default_max_tokens)
-                      for _ in prompts for j in range(body.n)]
-            outputs: asyncio.Queue = asyncio.Queue()
-            ids = await self.engine_loop.add(engine_prompts, params, outputs)
+            ids = await self.engine_loop.add(engine_prompts, make_params, outputs)
         except ValueError as error:
             raise ApiError(str(error)) from error
-        return _Run(self.engine_loop, body, self.model_name, ids, outputs)
+        return _Run(self.engine_loop, body, self.model_name, engine_prompts, ids, outputs)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(f"model {model!r} is not served here; this server serves "
+                           f"{self.model_name!r} (see GET /v1/models)", param="model")
+
+    def _require_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ApiError("this model has no tokenizer (a preset with dummy weights): send "
+                           "token ids, or start the server with --tokenizer")
+
+    async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return await self.engine_loop.call(fn)
+        except ValueError as error:
+            raise ApiError(str(error)) from error
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template: send a prompt")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the model's chat template rejected the messages: {error}") from error
+
+    def _tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's init arguments (special tokens as
+        strings, no file paths), its class and chat template, and the special token ids."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return {"tokenizer_class": None, "chat_template": None, "bos_token_id": None,
+                    "eos_token_id": self.eos_token_ids[0] if self.eos_token_ids else None,
+                    "eos_token_ids": self.eos_token_ids}
+        info = {key: _jsonable(value) for key, value in
+                (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                if key not in ("vocab_file", "merges_file", "tokenizer_file")}
+        info.update(tokenizer_class=type(tokenizer).__name__,
+                    chat_template=tokenizer.chat_template,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            info[name] = getattr(tokenizer, name, None)
+        return info
 
 
 class _Run:
     """The engine requests of one HTTP request, and their outputs as they come."""
 
     def __init__(self, engine_loop: EngineLoop, body: SamplingFields, model_name: str,
-                 request_ids: list[str], outputs: asyncio.Queue) -> None:
+                 prompts: list[Prompt], request_ids: list[str],
+                 outputs: asyncio.Queue) -> None:
         self.engine_loop = engine_loop
         self.body = body
         self.model_name = model_name
+        self.prompts = prompts  # per engine request (choice index)
         self.request_ids = request_ids
         self.outputs = outputs
         self.id = new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl")
@@ -168,7 +322,7 @@ class _Run:
             self.engine_loop.abort(self.request_ids)
 
     def usage(self) -> dict:
-        n = self.body.n
+        n = self.body.num_choices
         prompt_tokens = sum(len(self.final[i].prompt_token_ids)
                             for i in range(0, len(self.request_ids), n))
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in self.final.values())
@@ -178,78 +332,118 @@ class _Run:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
 
 
+@dataclass
+class _Sent:
+    """What a choice's chunks have carried so far (outputs carry everything so far)."""
+
+    chars: int = 0
+    tokens: int = 0
+    echoed: bool = False
+    offset: int = 0  # text offset of the next token string (completion logprobs)
+
+    def new_text(self, text: str) -> str:
+        start, self.chars = self.chars, len(text)
+        return text[start:]
+
+    def new_tokens(self, output: RequestOutput) -> tuple[list[int], list]:
+        completion = output.outputs[0]
+        start, self.tokens = self.tokens, len(completion.token_ids)
+        token_ids = completion.token_ids[start:]
+        if completion.logprobs is None:
+            return token_ids, [None] * len(token_ids)
+        return token_ids, completion.logprobs[start:]
+
+
 class _CompletionFormat:
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: _Run, text: TokenText) -> None:
         self.run = run
+        self.body: CompletionRequest = run.body
+        self.text = text
 
     def response(self, final: dict[int, RequestOutput]) -> dict:
-        choices = [_completion_choice(i, final[i].outputs[0].text,
-                                      final[i].outputs[0].finish_reason) for i in sorted(final)]
+        choices = [self._choice(i, final[i], _Sent()) for i in sorted(final)]
         return {**self.run.header("text_completion"), "choices": choices,
                 "usage": self.run.usage()}
 
     async def chunks(self) -> AsyncIterator[dict]:
-        sent = _DeltaTracker()
+        sent: dict[int, _Sent] = {}
         async for index, output in self.run.results():
-            completion = output.outputs[0]
-            choice = _completion_choice(index, sent.delta(index, completion.text),
-                                        completion.finish_reason)
+            choice = self._choice(index, output, sent.setdefault(index, _Sent()))
             yield {**self.run.header("text_completion"), "choices": [choice]}
-        if self.run.body.include_usage:
+        if self.body.include_usage:
             yield {**self.run.header("text_completion"), "choices": [],
                    "usage": self.run.usage()}
 
+    def _choice(self, index: int, output: RequestOutput, sent: _Sent) -> dict:
+        """The text (and logprobs) of `output` that `sent` has not carried yet; echo puts
+        the prompt's in front of the first."""
+        completion = output.outputs[0]
+        text = sent.new_text(completion.text)
+        token_ids, positions = sent.new_tokens(output)
+        if self.body.echo and not sent.echoed:
+            sent.echoed = True
+            prompt = self.run.prompts[index]
+            prompt_ids = output.prompt_token_ids
+            text = (prompt if isinstance(prompt, str) else self.text.text(prompt_ids)) + text
+            prompt_positions = output.prompt_logprobs or [None] * len(prompt_ids)
+            token_ids, positions = [*prompt_ids, *token_ids], [*prompt_positions, *positions]
+        choice = {"index": index, "text": text, "logprobs": None,
+                  "finish_reason": completion.finish_reason}
+        if self.body.logprobs is not None:
+            logprobs = completion_logprobs(token_ids, positions, self.body.logprobs, self.text,
+                                           sent.offset)
+            sent.offset += sum(len(token) for token in logprobs["tokens"])
+            choice["logprobs"] = logprobs
+        if self.body.prompt_logprobs is not None and output.finished:
+            choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return choice
+
 
 class _ChatFormat:
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: _Run, text: TokenText) -> None:
         self.run = run
+        self.body: ChatCompletionRequest = run.body
+        self.text = text
 
     def response(self, final: dict[int, RequestOutput]) -> dict:
-        choices = [{"index": i,
-                    "message": {"role": "assistant", "content": final[i].outputs[0].text},
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(final[i].outputs[0].finish_reason)}
-                   for i in sorted(final)]
-        return {**self.run.header("chat.completion"), "choices": choices,
-                "usage": self.run.usage()}
+        choices = []
+        for index in sorted(final):
+            completion = final[index].outputs[0]
+            choices.append({"index": index,
+                            "message": {"role": "assistant", "content": completion.text},
+                            "logprobs": self._logprobs(final[index], _Sent()),
+                            "finish_reason": completion.finish_reason})
+        response = {**self.run.header("chat.completion"), "choices": choices,
+                    "usage": self.run.usage()}
+        if self.body.prompt_logprobs is not None and final:
+            response["prompt_logprobs"] = prompt_logprobs_json(final[0].prompt_logprobs)
+        return response
 
     async def chunks(self) -> AsyncIterator[dict]:
         header = self.run.header("chat.completion.chunk")
         for index in range(len(self.run.request_ids)):
-            yield {**header, "choices": [_chat_delta(index, {"role": "assistant", "content": ""})]}
-        sent = _DeltaTracker()
+            yield {**header, "choices": [_chat_delta(index, {"role": "assistant", "content": ""},
+                                                     None, None)]}
+        sent: dict[int, _Sent] = {}
         async for index, output in self.run.results():
+            state = sent.setdefault(index, _Sent())
             completion = output.outputs[0]
-            delta = {"content": sent.delta(index, completion.text)}
-            yield {**header, "choices": [_chat_delta(index, delta, completion.finish_reason)]}
-        if self.run.body.include_usage:
+            delta = {"content": state.new_text(completion.text)}
+            yield {**header, "choices": [_chat_delta(index, delta, self._logprobs(output, state),
+                                                     completion.finish_reason)]}
+        if self.body.include_usage:
             yield {**header, "choices": [], "usage": self.run.usage()}
 
-
-class _DeltaTracker:
-    """The new text of each choice since the last chunk (outputs carry all text so far)."""
-
-    def __init__(self) -> None:
-        self.sent: dict[int, int] = {}
-
-    def delta(self, index: int, text: str) -> str:
-        start = self.sent.get(index, 0)
-        self.sent[index] = len(text)
-        return text[start:]
+    def _logprobs(self, output: RequestOutput, sent: _Sent) -> dict | None:
+        token_ids, positions = sent.new_tokens(output)
+        if not self.body.logprobs:
+            return None
+        return {"content": chat_logprobs(token_ids, positions, self.body.top_logprobs or 0,
+                                         self.text)}
 
 
-def _completion_choice(index: int, text: str, reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None,
-            "finish_reason": _finish_reason(reason)}
-
-
-def _chat_delta(index: int, delta: dict, reason: str | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None,
-            "finish_reason": _finish_reason(reason)}
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
+def _chat_delta(index: int, delta: dict, logprobs: dict | None, reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -257,35 +451,167 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
+def _jsonable(value: Any) -> Any:
+    """Tokenizer arguments as JSON: special tokens (AddedToken) as their text."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    content = getattr(value, "content", None)
+    return content if isinstance(content, str) else str(value)
+
+
+async def _log_stats(snap: EngineSnapshot, interval: float) -> None:
+    """vLLM's periodic line: throughput over the last interval, while there is work."""
+    last = (snap.num_computed_prompt_tokens, snap.num_generation_tokens, time.monotonic())
+    while True:
+        await asyncio.sleep(interval)
+        current = (snap.num_computed_prompt_tokens, snap.num_generation_tokens, time.monotonic())
+        busy = snap.num_running or snap.num_waiting
+        if busy or current[:2] != last[:2]:
+            seconds = current[2] - last[2]
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                        "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
+                        (current[0] - last[0]) / seconds, (current[1] - last[1]) / seconds,
+                        snap.num_running, snap.num_waiting, 100 * snap.kv_cache_usage)
+        last = current
+
+
+class _AccessLog:
+    """One line per request once its response is complete: client, request line, status,
+    duration (streams: until the last event)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status, logged = 500, False
+
+        async def send_and_log(message) -> None:
+            nonlocal status, logged
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                logged = True
+                _log_access(scope, status, start)
+
+        try:
+            await self.app(scope, receive, send_and_log)
+        finally:
+            if not logged:
+                _log_access(scope, status, start)
+
+
+def _log_access(scope, status: int, start: float) -> None:
+    client = scope.get("client")
+    where = f"{client[0]}:{client[1]}" if client else "-"
+    query = scope.get("query_string", b"").decode("latin-1")
+    target = scope.get("path", "") + (f"?{query}" if query else "")
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    access_logger.info('%s - "%s %s HTTP/%s" %d %s %.1f ms', where, scope.get("method"), target,
+                       scope.get("http_version", "1.1"), status, phrase,
+                       1000 * (time.perf_counter() - start))
+
+
+class _BodySizeLimit:
+    """413 for a body over `limit` bytes: at once when Content-Length says so (nothing of
+    the body is read), else (chunked) as soon as the bytes read pass it."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                response = _error_response(self._message(int(length)), 413)
+                response.headers["connection"] = "close"
+                return await response(scope, receive, send)
+            return await self.app(scope, receive, send)  # the server holds it to its length
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise HTTPException(413, self._message(None), {"connection": "close"})
+            return message
+
+        await self.app(scope, receive_limited, send)
+
+    def _message(self, length: int | None) -> str:
+        size = "the request body" if length is None else f"the request body ({length} bytes)"
+        return (f"{size} is larger than this server's limit of {self.limit} bytes "
+                "(--max-request-body-bytes)")
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote what the client sent."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _error_response(message: str, status: int, param: str | None = None,
+                    headers: dict | None = None) -> JSONResponse:
+    return _AsciiJSONResponse(error_body(message, status, param), status, headers=headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), error.status, error.param), error.status)
+        return _error_response(str(error), error.status, error.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
         problems = [_describe(problem) for problem in error.errors()]
-        first_param = _field_path(error.errors()[0]) if error.errors() else None
-        return JSONResponse(error_body("; ".join(problems), 400, first_param or None), 400)
+        first = error.errors()[0] if error.errors() else {}
+        return _error_response("; ".join(problems), 400, _param(first) or None)
 
     @app.exception_handler(ConnectionError)
     async def client_gone(_: Request, error: ConnectionError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), 400), 400)  # nobody reads it
+        return _error_response(str(error), 400)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {error!r}", 500), 500)
+        return _error_response(f"internal error: {error!r}", 500)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(error.detail), error.status_code), error.status_code)
+        return _error_response(str(error.detail), error.status_code, headers=error.headers)
 
 
 def _describe(problem: dict) -> str:
-    if problem.get("type") == "json_invalid":
+    kind = problem.get("type")
+    if kind == "json_invalid":
         return f"the body is not valid JSON ({problem.get('ctx', {}).get('error', 'parse error')})"
+    if kind == "lone_surrogate":
+        return problem["msg"]
     path = _field_path(problem)
-    return f"{path}: {problem['msg']}" if path else problem["msg"]
+    if kind == "extra_forbidden":
+        return (f"{path}: unknown field: this server does not implement it (see the README's "
+                "Serving section for the fields it takes)")
+    message = problem["msg"].removeprefix("Value error, ")
+    return f"{path}: {message}" if path else message
+
+
+def _param(problem: dict) -> str:
+    if problem.get("type") == "lone_surrogate":
+        return problem.get("ctx", {}).get("path", "")
+    return _field_path(problem)
 
 
 def _field_path(problem: dict) -> str:

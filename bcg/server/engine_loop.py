@@ -33,6 +33,7 @@ class EngineSnapshot:
 
     num_requests: int = 0
     num_prompt_tokens: int = 0
+    num_computed_prompt_tokens: int = 0  # prefilled (prompt tokens the prefix cache lacked)
     num_generation_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -72,18 +73,25 @@ class EngineLoop:
         self._thread.join(timeout)
 
     async def add(
-        self, prompts: list[Prompt], params: list[SamplingParams], outputs: asyncio.Queue
+        self,
+        prompts: list[Prompt],
+        make_params: Callable[[int, list[int]], SamplingParams],
+        outputs: asyncio.Queue,
     ) -> list[str]:
-        """Queue one engine request per (prompt, params); prompt i's outputs arrive on
-        `outputs` as (i, RequestOutput). All or none are added: ValueError on bad input."""
-        return await self._call(lambda: self._add_all(prompts, params, outputs))
+        """Queue one engine request per prompt, its params `make_params(i, prompt i's token
+        ids)` (called on the engine thread, so they may depend on the prompt's length);
+        prompt i's outputs arrive on `outputs` as (i, RequestOutput). All or none are added:
+        ValueError on bad input."""
+        return await self.call(lambda: self._add_all(prompts, make_params, outputs))
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort these requests (finished ones are skipped) and free their KV blocks; returns
         at once, so it is safe where awaiting is not (a closing generator)."""
         self._commands.put(lambda: self._abort(request_ids))
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps (what touches the engine or its
+        tokenizer) and return its result; its exceptions are raised here."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def command() -> None:
@@ -95,9 +103,11 @@ class EngineLoop:
         self._commands.put(command)
         return await asyncio.wrap_future(future)
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
+    def _add_all(self, prompts: list[Prompt],
+                 make_params: Callable[[int, list[int]], SamplingParams],
                  outputs: asyncio.Queue) -> list[str]:
         token_ids = self._token_ids(prompts)
+        params = [make_params(i, tokens) for i, tokens in enumerate(token_ids)]
         ids = self.engine.add_requests(token_ids, params)
         for index, (request_id, tokens) in enumerate(zip(ids, token_ids, strict=True)):
             self._routes[request_id] = _Route(outputs, index, _no_output_yet(request_id, tokens))
@@ -214,6 +224,7 @@ class EngineLoop:
         snap.num_running = len(scheduler.running)
         snap.num_waiting = len(scheduler.waiting)
         snap.kv_cache_usage = 1 - blocks.num_free_blocks / len(blocks.blocks)
+        snap.num_computed_prompt_tokens = self.engine.stats.prefill_tokens
         snap.forwards = dict(self.engine.runner.forward_counts)
 
 

@@ -1,68 +1,184 @@
-"""Request and response shapes of the OpenAI API subset that `bcg serve` speaks.
+"""Request and response shapes of the OpenAI API subset that `bcg serve` speaks, with
+vLLM's extra sampling fields and its /tokenize and /detokenize bodies.
 
-Requests are parsed strictly (a string where a number belongs is an error, not coerced);
-fields the server does not implement are ignored. Range checks live in `SamplingParams`,
-so the HTTP API and `LLM` reject the same values with the same messages.
+Requests are parsed strictly: a string where a number belongs is an error, not coerced,
+and a field the server does not implement is an error naming it, never silently ignored
+(OpenAI fields that it does not implement are accepted only with their no-op values, e.g.
+`best_of: 1` or `tools: []`). Every string must be valid Unicode: JSON lets a client send a
+lone UTF-16 surrogate ("\\ud800"), which nothing downstream could encode. Range checks live
+in `SamplingParams`, so the HTTP API and `LLM` reject the same values with the same messages.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from bcg.engine.sampling_params import SamplingParams
+from bcg.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
-MAX_N = 128
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data, "")
+        return data
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """Raise naming the first string (value or dict key) under `value` that holds a lone
+    UTF-16 surrogate; `path` is where `value` sits in the body ("" at the top)."""
+    if isinstance(value, str):
+        found = LONE_SURROGATE.search(value)
+        if found:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{path} holds a lone UTF-16 surrogate (\\u{code}) at character {at}, which is "
+                "not valid Unicode: send well-formed strings (a surrogate pair for characters "
+                "beyond U+FFFF)",
+                {"path": path or "the body", "code": f"{ord(found.group()):04x}",
+                 "at": found.start()})
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, f"a key of {path or 'the body'}")
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if type(item) is not int:  # token ids: the common long list
+                _check_unicode(item, f"{path}.{i}")
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class SamplingFields(StrictModel):
-    """The request fields shared by completions and chat completions."""
+    """The request fields shared by completions and chat completions. OpenAI's optional
+    fields also accept null, meaning their default."""
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias
+    min_tokens: int | None = None
+    n: int | None = Field(None, ge=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None  # vLLM's: keep generating past EOS (benchmarks)
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt tokens
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # not OpenAI's: keep generating past EOS (benchmarks)
+    user: str | None = None  # OpenAI's end-user id, for the caller's records: not used
 
-    def sampling_params(self, choice_index: int, default_max_tokens: int) -> SamplingParams:
-        """The params of one of the `n` choices; with a seed, choice i uses seed + i so the
-        choices differ yet repeat across calls."""
-        return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            stop=self.stop or [], seed=self.seed, ignore_eos=self.ignore_eos,
-        ).for_choice(choice_index)
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, bias: Any) -> Any:
+        """OpenAI sends token ids as JSON object keys, so as strings: '123' -> 123."""
+        if not isinstance(bias, dict):
+            return bias
+        converted = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and re.fullmatch(r"[0-9]{1,10}", key)):
+                raise ValueError(f"the keys must be token ids (integers, as strings), got {key!r}")
+            converted[int(key)] = value
+        return converted
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def logprobs_per_token(self) -> int | None:
+        """Alternatives per generated token (`SamplingParams.logprobs`); None: no logprobs."""
+        return None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field that asks for something not implemented."""
+        return None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine params of this request (n choices: see `SamplingParams.for_choice`)."""
+        return SamplingParams(
+            n=self.num_choices,
+            temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0),
+            top_k=_default(self.top_k, 0),
+            min_p=_default(self.min_p, 0.0),
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            logit_bias=self.logit_bias or None,
+            max_tokens=max_tokens,
+            min_tokens=_default(self.min_tokens, 0),
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=bool(self.ignore_eos),
+            seed=self.seed,
+            logprobs=self.logprobs_per_token(),
+            prompt_logprobs=self.engine_prompt_logprobs(max_tokens),
+        )
+
+    def engine_prompt_logprobs(self, max_tokens: int) -> int | None:
+        return self.prompt_logprobs
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False  # the response's text (and logprobs) start with the prompt's
+    logprobs: int | None = None  # logprobs of each token and of this many alternatives
+    best_of: int | None = None  # only 1: candidates ranked server-side are not implemented
+    suffix: str | None = None  # insertion (text after the completion) is not implemented
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: a string or a token-id list is a batch of one."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]
         return list(self.prompt)
+
+    def logprobs_per_token(self) -> int | None:
+        return self.logprobs
+
+    def engine_prompt_logprobs(self, max_tokens: int) -> int | None:
+        """vLLM's rule: echo with logprobs scores the prompt with as many alternatives; echo
+        of a prompt with nothing to generate still needs the prompt run (score it, bare)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            return self.logprobs
+        if self.echo and max_tokens == 0:
+            return 0
+        return None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.best_of not in (None, 1) and self.best_of != self.num_choices:
+            return ("best_of", "best_of > n (sampling candidates and returning the most likely "
+                               "ones) is not supported: use n")
+        if self.suffix:
+            return ("suffix", "suffix (insertion) is not supported")
+        if self.stream and self.prompt_logprobs is not None:
+            return ("prompt_logprobs", "prompt_logprobs are not available when streaming "
+                                       "(use echo with logprobs)")
+        return None
 
 
 class TextPart(StrictModel):
@@ -73,22 +189,73 @@ class TextPart(StrictModel):
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
+    name: str | None = None  # passed to the chat template, which may use it
 
     def as_template_input(self) -> dict[str, str]:
         content = self.content
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False  # logprobs of each generated token
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # ... and this many likeliest
+    # OpenAI fields this server does not implement, accepted only with a no-op value.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools
 
-    def sampling_params(self, choice_index: int, default_max_tokens: int) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            default_max_tokens = self.max_completion_tokens
-        return super().sampling_params(choice_index, default_max_tokens)
+    def logprobs_per_token(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return ("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            return ("tool_choice", "tool calling is not supported")
+        if self.functions:
+            return ("functions", "function calling is not supported")
+        if self.function_call not in (None, "none", "auto"):
+            return ("function_call", "function calling is not supported")
+        if self.response_format not in (None, {"type": "text"}):
+            return ("response_format", "structured output (response_format other than "
+                                       "{'type': 'text'}) is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            return ("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.stream and self.prompt_logprobs is not None:
+            return ("prompt_logprobs", "prompt_logprobs are not available when streaming")
+        return None
+
+    def default_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
+        """What is left of the context, unless the request sets a cap."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return max(1, max_model_len - prompt_len)
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool | None = True  # messages only: end ready for the reply
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 class Usage(BaseModel):
@@ -113,5 +280,9 @@ def now() -> int:
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error envelope."""
     kind = "invalid_request_error" if status < 500 else "internal_server_error"
-    code = {404: "not_found", 400: "bad_request"}.get(status)
+    code = {400: "bad_request", 404: "not_found", 413: "request_too_large"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _default(value, default):
+    return default if value is None else value

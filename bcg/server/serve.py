@@ -1,8 +1,14 @@
 """Start the engine and run the app under uvicorn until SIGINT/SIGTERM.
 
-On a signal uvicorn stops accepting connections and in-flight requests may finish for
-`GRACEFUL_SHUTDOWN_SECONDS`; then whatever is left is aborted (its clients get complete
-responses with finish_reason 'stop'), the engine thread stops and the process exits 0.
+The port is checked before the model loads, so a busy or invalid one is a one-line error
+at once. On a signal uvicorn stops accepting connections and in-flight requests may finish
+for `ServerSettings.graceful_shutdown_seconds`; then whatever is left is aborted (its
+clients get complete responses with finish_reason 'abort'), the engine thread stops and the
+process exits 0.
+
+Logging follows vLLM's server: a line per HTTP request (`bcg.server.access`), a throughput
+line every few seconds while requests are in flight, and a line at shutdown, all at INFO on
+the `bcg.server` logger, which `serve` enables whatever the root logger's level.
 """
 
 from __future__ import annotations
@@ -10,17 +16,81 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import threading
+from dataclasses import dataclass, field, fields
 
 from bcg.config import EngineConfig
 from bcg.loader.builtin import BUILTIN_NAME
 
-GRACEFUL_SHUTDOWN_SECONDS = 5
-
 logger = logging.getLogger(__name__)
 
 
-def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None) -> None:
+def _setting(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ServerSettings:
+    """`bcg serve`'s own settings (a flag each, like `EngineConfig`'s fields)."""
+
+    max_request_body_bytes: int = _setting(
+        8 * 2**20, "largest request body in bytes; a larger one gets 413 before it is read "
+        "(default: 8 MiB)")
+    max_sequences_per_request: int = _setting(
+        256, "most sequences one request may ask for (prompts x n); more get 400")
+    graceful_shutdown_seconds: float = _setting(
+        5.0, "on SIGINT/SIGTERM, how long requests in flight may finish before they are "
+        "aborted (their responses end with finish_reason 'abort')")
+    log_stats_interval: float = _setting(
+        5.0, "seconds between throughput log lines (prompt and generation tokens/s, running "
+        "and waiting requests, KV cache use) while requests are in flight")
+    disable_log_stats: bool = _setting(False, "no throughput log lines")
+    disable_access_log: bool = _setting(False, "no log line per HTTP request")
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_sequences_per_request"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("graceful_shutdown_seconds", "log_stats_interval"):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+            if not ok or (name == "log_stats_interval" and value == 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata["help"] for f in fields(cls)}
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise a one-line ValueError naming the port if the server could not listen on
+    `host:port` (out of range, host unknown, or the port taken): a bind test, done before
+    the model loads."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is not a valid TCP port: pick one in 1-65535 (--port)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as error:
+        raise ValueError(f"cannot listen on {host}:{port}: host {host!r} is unknown "
+                         f"({error}) (--host)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise ValueError(f"cannot listen on {host}:{port}: {reason} (is another server "
+                             f"using port {port}? pick another with --port)") from None
+
+
+def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None,
+          settings: ServerSettings | None = None) -> None:
+    settings = settings or ServerSettings()
+    check_port(host, port)
     try:
         import uvicorn
 
@@ -29,13 +99,26 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
         raise ValueError(f"bcg serve needs {error.name}: pip install -e '.[server]'") from error
     from bcg.engine.llm_engine import LLMEngine
 
+    _enable_server_logs()
     engine = LLMEngine(config)
     model_name = served_model_name or config.model or BUILTIN_NAME
-    app = create_app(engine, model_name)
-    logger.warning("serving %s on http://%s:%d/v1", model_name, host, port)
-    server_config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                   timeout_graceful_shutdown=2 * GRACEFUL_SHUTDOWN_SECONDS)
+    app = create_app(engine, model_name, settings)
+    logger.info("serving %s on http://%s:%d/v1", model_name, host, port)
+    server_config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=max(1, round(2 * settings.graceful_shutdown_seconds)))
     _server_exiting_cleanly(uvicorn.Server)(server_config).run()
+
+
+def _enable_server_logs() -> None:
+    """INFO lines of `bcg.server.*`, through the root logger's handler (one is added if
+    the root logger has none)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    server_logger = logging.getLogger("bcg.server")
+    if server_logger.getEffectiveLevel() > logging.INFO:
+        server_logger.setLevel(logging.INFO)
 
 
 def _server_exiting_cleanly(server_class: type) -> type:
@@ -46,8 +129,13 @@ def _server_exiting_cleanly(server_class: type) -> type:
     class Server(server_class):
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
-                end_all = self.config.app.state.engine_loop.end_all
-                timer = threading.Timer(GRACEFUL_SHUTDOWN_SECONDS, end_all)
+                state = self.config.app.state
+                grace = state.settings.graceful_shutdown_seconds
+                snap = state.engine_loop.snapshot
+                logger.info("%s: shutting down; %d requests in flight get %.1f s to finish, "
+                            "then are aborted", signal.Signals(sig).name,
+                            snap.num_running + snap.num_waiting, grace)
+                timer = threading.Timer(grace, state.engine_loop.end_all)
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)

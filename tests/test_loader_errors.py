@@ -1,0 +1,215 @@
+"""Bad model files and names: each is a ValueError that names the file (or the name), raised
+by the loader before any weights load."""
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from bcg.loader.gguf_file import read_gguf_config
+from bcg.loader.gguf_reader import GGUFFile
+from bcg.loader.model_loader import load_model
+from bcg.loader.model_source import is_hub_id, looks_like_path, resolve_model
+from bcg.loader.tokenizer import load_tokenizer
+from tests.builtin_model import require_builtin_model
+from tests.hf_tiny import save_tiny_model
+
+LLAMA_METADATA = {
+    "llama.attention.head_count": 4,
+    "llama.embedding_length": 64,
+    "llama.feed_forward_length": 96,
+    "llama.block_count": 1,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.context_length": 128,
+    "tokenizer.ggml.tokens": [f"t{i}" for i in range(16)],
+}
+
+
+def write_gguf(path, metadata: dict, arch: str = "llama", tensors: dict | None = None):
+    """A small GGUF file through the `gguf` package's writer."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    for name, array in (tensors or {"token_embd.weight": np.zeros((16, 64), np.float32)}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_written_gguf_reads_back(tmp_path):
+    path = write_gguf(tmp_path / "ok.gguf", LLAMA_METADATA)
+    config = read_gguf_config(GGUFFile(path))
+    assert (config["hidden_size"], config["vocab_size"], config["num_key_value_heads"]) == \
+        (64, 16, 4)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: m.pop("llama.block_count"), "lacks 'llama.block_count'"),
+    (lambda m: m.update({"llama.block_count": "many"}), "'llama.block_count' is 'many'"),
+    (lambda m: m.update({"tokenizer.ggml.tokens": 7}), "tokenizer.ggml.tokens"),
+])
+def test_gguf_metadata_problems_name_the_file_and_key(tmp_path, change, message):
+    metadata = dict(LLAMA_METADATA)
+    change(metadata)
+    path = write_gguf(tmp_path / "bad.gguf", metadata)
+    with pytest.raises(ValueError, match=message) as error:
+        read_gguf_config(GGUFFile(path))
+    assert str(path) in str(error.value)
+
+
+def test_unsupported_gguf_architecture_names_the_file(tmp_path):
+    path = write_gguf(tmp_path / "mamba.gguf", {}, arch="mamba")
+    with pytest.raises(ValueError, match="architecture 'mamba' is not supported") as error:
+        resolve_model(str(path))
+    assert str(path) in str(error.value)
+
+
+def gguf_header(version=3, num_tensors=0, num_values=0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, num_tensors, num_values)
+
+
+def kv_string(key: str, value: str) -> bytes:
+    return (struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", 8)
+            + struct.pack("<Q", len(value)) + value.encode())
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "is empty"),
+    (b"GGU", "not a GGUF file"),
+    (b"GGUF\x03\x00", "truncated"),
+    (gguf_header(version=1), "version 1 is too old"),
+    (gguf_header(version=99), "version 99 is newer"),
+    (gguf_header(num_values=1) + struct.pack("<Q", 2**62), "truncated or corrupt"),
+    (gguf_header(num_values=2**40), "truncated or corrupt"),
+    (gguf_header(num_values=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 77),
+     "unknown value type 77"),
+    (gguf_header(num_values=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**50),
+     "truncated or corrupt"),
+    (gguf_header(num_tensors=1, num_values=1) + kv_string("general.architecture", "llama")
+     + struct.pack("<Q", 1) + b"w" + struct.pack("<I", 2) + struct.pack("<QQ", 4, 4)
+     + struct.pack("<IQ", 0, 0), "ends at byte"),
+    (gguf_header(num_tensors=1) + struct.pack("<Q", 1) + b"w" + struct.pack("<I", 1)
+     + struct.pack("<Q", 4) + struct.pack("<IQ", 999, 0), "unknown GGML type 999"),
+    (gguf_header(num_tensors=1) + struct.pack("<Q", 1) + b"w" + struct.pack("<I", 0)
+     + struct.pack("<IQ", 0, 0), "0 dimensions"),
+])
+def test_corrupt_gguf_files_are_refused_at_open(tmp_path, content, message):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as error:
+        GGUFFile(path)
+    assert str(path) in str(error.value)
+
+
+def test_a_gguf_cut_short_in_its_weights_is_refused_at_open(tmp_path):
+    builtin = require_builtin_model()
+    last = max(GGUFFile(builtin).tensors, key=lambda t: t.offset)
+    path = tmp_path / "cut.gguf"
+    with open(builtin, "rb") as source:
+        path.write_bytes(source.read(last.offset + last.num_bytes - 1))
+    with pytest.raises(ValueError, match=f"{last.name}.*ends at byte.*incomplete download"):
+        GGUFFile(path)
+
+
+def test_a_directory_or_unreadable_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        GGUFFile(tmp_path)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", "config.json is not valid JSON"),
+    ("[1, 2]", "config.json must hold a JSON object"),
+    ('{"architectures": ["LlamaForCausalLM"]}', "config.json lacks 'num_attention_heads'"),
+    ('{"architectures": ["MambaForCausalLM"], "num_attention_heads": 4, "vocab_size": 8, '
+     '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1}',
+     "'MambaForCausalLM' is not supported"),
+    ('{"architectures": ["LlamaForCausalLM"], "num_attention_heads": "four", "vocab_size": 8, '
+     '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1}', "config.json"),
+    ('{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "vocab_size": 0, '
+     '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1}',
+     "vocab_size must be a positive integer"),
+])
+def test_bad_config_json_names_the_file(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message) as error:
+        resolve_model(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(error.value)
+
+
+def test_bad_generation_config_and_weights_name_the_file(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    (tmp_path / "generation_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "two"}')
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "generation_config.json").unlink()
+    [weights] = tmp_path.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+    source = resolve_model(str(tmp_path))
+    with pytest.raises(ValueError, match="not a valid safetensors file") as error:
+        load_model(source, torch.float32, torch.device("cpu"))
+    assert str(weights) in str(error.value)
+
+
+@pytest.mark.parametrize("name,hub", [
+    ("Qwen/Qwen3-0.6B", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+    ("org/name.v2", True), ("/abs/model", False), ("./org/name", False), ("a/b/c", False),
+    ("model.gguf", False), ("org/model.gguf", False), ("~/models", False), ("name", False),
+    ("org/../x", False),
+])
+def test_only_org_name_shapes_are_hub_ids(name, hub):
+    assert is_hub_id(name) == hub
+    if not hub and name != "name":
+        assert looks_like_path(name)
+
+
+@pytest.mark.parametrize("name", ["/nonexistent", "/no/such/model", "./missing", "a/b/c",
+                                  "missing.gguf", "~/no-such-folder-here"])
+def test_a_missing_path_is_reported_as_a_path_not_a_hub_id(name):
+    with pytest.raises(ValueError, match=f"model path '{name}' does not exist"):
+        resolve_model(name)
+
+
+def test_a_file_that_is_not_a_model_is_refused(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    with pytest.raises(ValueError, match="is a file but not a GGUF file"):
+        resolve_model(str(path))
+
+
+def test_a_gguf_without_the_suffix_is_recognised(tmp_path):
+    link = tmp_path / "smollm2"
+    os.symlink(require_builtin_model(), link)
+    assert resolve_model(str(link)).config.architecture == "LlamaForCausalLM"
+
+
+def test_tokenizer_paths_are_checked(tmp_path):
+    source = resolve_model("smollm2-135m")
+    with pytest.raises(ValueError, match="tokenizer path '/missing' does not exist"):
+        load_tokenizer(source, "/missing")
+    with pytest.raises(ValueError, match="has none of tokenizer.json"):
+        load_tokenizer(source, str(tmp_path))
+    (tmp_path / "vocab.txt").write_text("a")
+    with pytest.raises(ValueError, match="is a file"):
+        load_tokenizer(source, str(tmp_path / "vocab.txt"))
+    (tmp_path / "tokenizer_config.json").write_text("{broken")
+    with pytest.raises(ValueError, match=f"could not load tokenizer '{tmp_path}'"):
+        load_tokenizer(source, str(tmp_path))

@@ -1,0 +1,143 @@
+"""The CPU KV cache sized to the machine's memory, and the warning when cores are fought over."""
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from bcg.config import EngineConfig
+from bcg.forward import KVCache
+from bcg.loader.model_source import resolve_model
+from bcg.models.config import ModelConfig
+from bcg.models.presets import PRESETS
+from bcg.runner import host
+from bcg.runner.model_runner import ModelRunner
+from tests.hf_tiny import SIZES, save_tiny_model
+
+CONTEXT = SIZES["max_position_embeddings"]  # 256
+BLOCK = 16
+# The tiny llama's KV per block: 2 (K, V) x 2 layers x 16 tokens x 2 heads x 16 dims x 4 bytes.
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    save_tiny_model("llama", folder)
+    return folder
+
+
+def runner(folder, monkeypatch, available: int | None, max_model_len=CONTEXT,
+           **engine_args) -> ModelRunner:
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: available)
+    config = EngineConfig(model=str(folder), device="cpu", **engine_args)
+    return ModelRunner(config, resolve_model(str(folder)), max_model_len)
+
+
+def test_block_bytes_as_assumed():
+    assert KVCache.bytes_per_block(2, BLOCK, 2, 16, torch.float32) == BLOCK_BYTES
+
+
+def test_plenty_of_memory_holds_the_whole_context(tiny, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="bcg.runner.model_runner"):
+        r = runner(tiny, monkeypatch, available=2**34)
+    assert r.num_kv_blocks * BLOCK == CONTEXT and r.max_model_len == CONTEXT
+    gib = CONTEXT // BLOCK * BLOCK_BYTES / 2**30
+    assert f"KV cache: 16 blocks of 16 tokens (256 tokens, {gib:.2f} GiB)" in caplog.text
+
+
+def test_a_default_context_too_large_for_memory_is_lowered(tiny, monkeypatch, caplog):
+    """25% of the available memory holds 6 blocks: max_model_len falls to 96 tokens."""
+    with caplog.at_level(logging.WARNING):
+        r = runner(tiny, monkeypatch, available=4 * 6 * BLOCK_BYTES + 100)
+    assert r.num_kv_blocks == 6 and r.max_model_len == 96
+    [record] = [r for r in caplog.records if "lowered" in r.message]
+    assert "256 to 96 tokens" in record.message and "GiB" in record.message
+
+
+def test_the_default_cache_is_at_most_4_gib(monkeypatch):
+    """qwen3-0.6b's 40960-token context is 8.75 GiB in fp32: capped at 4 GiB however much
+    memory there is (sized without loading the model)."""
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 2**40)
+    r = ModelRunner.__new__(ModelRunner)
+    r.device, r.dtype, r.block_size = torch.device("cpu"), torch.float32, BLOCK
+    r.model_config = ModelConfig.from_hf_dict(PRESETS["qwen3-0.6b"])
+    blocks = r._num_kv_blocks(EngineConfig(device="cpu"), 40960, 0)
+    assert blocks * r._kv_block_bytes() <= 4 * 2**30 < 40960 // BLOCK * r._kv_block_bytes()
+    assert blocks * r._kv_block_bytes() > 3.99 * 2**30
+    asked = r._num_kv_blocks(EngineConfig(device="cpu", max_model_len=40960), 40960, 0)
+    assert asked == 40960 // BLOCK  # asked for: honoured while 90% of memory holds it
+
+
+def test_an_asked_for_max_model_len_gets_its_cache_or_a_clear_error(tiny, monkeypatch):
+    # 25% of memory holds 6 blocks, 90% holds 21: the asked-for 256 tokens (16 blocks) fit.
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 4 * 6 * BLOCK_BYTES + 100)
+    config = EngineConfig(model=str(tiny), device="cpu", max_model_len=CONTEXT)
+    r = ModelRunner(config, resolve_model(str(tiny)), CONTEXT)
+    assert r.num_kv_blocks == 16 and r.max_model_len == CONTEXT
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 10 * BLOCK_BYTES)
+    with pytest.raises(ValueError, match=r"KV cache holds 144 tokens \(0\.00 GiB\), fewer than "
+                                         r"max_model_len=256: .*90% of the .* lower "
+                                         r"max_model_len \(to 144 or less\)"):
+        ModelRunner(config, resolve_model(str(tiny)), CONTEXT)
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 0)
+    with pytest.raises(ValueError, match="no memory is left for the KV cache"):
+        ModelRunner(EngineConfig(model=str(tiny), device="cpu"), resolve_model(str(tiny)),
+                    CONTEXT)
+
+
+def test_kv_cache_tokens_wins(tiny, monkeypatch):
+    r = runner(tiny, monkeypatch, available=0, kv_cache_tokens=1000)
+    assert r.num_kv_blocks == 63
+
+
+def test_unknown_memory_falls_back_to_4_gib(tiny, monkeypatch):
+    r = runner(tiny, monkeypatch, available=None)
+    assert r.num_kv_blocks * BLOCK == CONTEXT
+    assert host.cpu_kv_cache_budget(asked=False)[0] == 4 * 2**30
+
+
+def test_budget_is_a_share_of_available_memory(monkeypatch):
+    assert host.available_memory_bytes() > 0
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 8 * 2**30)
+    assert host.cpu_kv_cache_budget(asked=False)[0] == 2 * 2**30
+    assert host.cpu_kv_cache_budget(asked=True)[0] == int(0.9 * 8 * 2**30)
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 64 * 2**30)
+    assert host.cpu_kv_cache_budget(asked=False)[0] == 4 * 2**30
+
+
+def test_too_many_torch_threads_are_named(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores + 3)
+    monkeypatch.setattr(host, "_others_busy_cores", lambda cores, seconds: 0.0)
+    message = host.cores_contention()
+    assert f"torch runs {cores + 3} threads" in message and "sched_getaffinity" in message
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert host.cores_contention() is None
+
+
+def test_other_processes_busy_on_our_cores_are_seen():
+    cores = sorted(os.sched_getaffinity(0))
+    spin = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin, str(core)]) for core in cores]
+    try:
+        time.sleep(0.5)
+        message = host.cores_contention(sample_seconds=0.3)
+    finally:
+        for process in spinners:
+            process.kill()
+            process.wait()
+    assert message is not None and "other processes keep" in message
+
+
+def test_the_warning_is_one_line_once_per_process(monkeypatch, caplog):
+    monkeypatch.setattr(host, "_cores_checked", False)
+    monkeypatch.setattr(host, "cores_contention", lambda: "CPU cores are oversubscribed: x")
+    with caplog.at_level(logging.WARNING, logger="bcg.runner.host"):
+        host.warn_if_cores_contended()
+        host.warn_if_cores_contended()
+    assert [r.message for r in caplog.records] == ["CPU cores are oversubscribed: x"]

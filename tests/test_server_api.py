@@ -1,0 +1,529 @@
+"""`bcg serve`'s fuller API on 127.0.0.1 with the built-in SmolLM2: every sampling field,
+refused fields, logprobs and echo (as the openai client and lm-eval send them), vLLM's
+extra routes, request limits, lone surrogates, logging, the port check and shutdown.
+
+The server runs `serve()` with small `ServerSettings` (limits, a fast stats interval and a
+short grace period) in a subprocess whose log goes to a file the tests read.
+"""
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from tests.builtin_model import require_builtin_model
+from tests.server_process import (
+    MAX_MODEL_LEN,
+    MODEL,
+    PROMPT,
+    QUESTION,
+    free_port,
+    send_headers_only,
+    wait_until_healthy,
+)
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+BODY_LIMIT = 65536
+SEQUENCE_LIMIT = 8
+EOS = 2  # SmolLM2's <|im_end|>
+SERVER_SCRIPT = f"""
+import logging, sys
+from bcg.config import EngineConfig
+from bcg.server.serve import ServerSettings, serve
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+settings = ServerSettings(max_request_body_bytes={BODY_LIMIT},
+                          max_sequences_per_request={SEQUENCE_LIMIT},
+                          graceful_shutdown_seconds=1.0, log_stats_interval=0.5)
+serve(EngineConfig(device="cpu", max_model_len={MAX_MODEL_LEN}), "127.0.0.1", int(sys.argv[1]),
+      None, settings)
+"""
+
+
+class Server:
+    def __init__(self, base: str, process: subprocess.Popen, log) -> None:
+        self.base, self.process, self.log = base, process, log
+
+    def log_text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        return httpx.post(f"{self.base}{path}", json=body, timeout=60, **kwargs)
+
+    def complete(self, **body) -> dict:
+        response = self.post("/v1/completions", {"model": MODEL, **body})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def error(self, path: str, body: dict) -> dict:
+        response = self.post(path, body)
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    def tokens(self, text: str) -> list[int]:
+        return self.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()[
+            "tokens"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    require_builtin_model()
+    port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port)], stdout=log,
+                               stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base, process, log)
+        yield Server(base, process, log)
+    finally:
+        if process.poll() is None:  # the shutdown test stops it itself
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
+    assert process.returncode == 0, f"the server exited with {process.returncode}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+# --- 1. sampling fields ------------------------------------------------------------------
+
+
+def test_logit_bias_stop_token_ids_and_min_tokens_reach_the_engine(server):
+    forced = server.tokens(" banana")[0]
+    biased = server.complete(prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                             logit_bias={str(forced): 100})["choices"][0]
+    assert biased["logprobs"]["tokens"] == [" banana"] * 4
+    stopped = server.complete(prompt=PROMPT, max_tokens=8, temperature=0,
+                              logit_bias={str(forced): 100}, stop_token_ids=[forced])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 1
+
+    eos_first = server.complete(prompt=PROMPT, max_tokens=8, temperature=0,
+                                logit_bias={str(EOS): 100})
+    assert eos_first["usage"]["completion_tokens"] == 1
+    held_back = server.complete(prompt=PROMPT, max_tokens=8, temperature=0, min_tokens=4,
+                                logit_bias={str(EOS): 100})
+    assert held_back["choices"][0]["finish_reason"] == "stop"
+    assert held_back["usage"]["completion_tokens"] == 5  # four, then the favoured EOS
+
+
+def test_penalties_min_p_and_top_k_change_sampling(server):
+    prompt = "a b a b a b a b"
+    greedy = server.complete(prompt=prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+    for field, value in [("presence_penalty", 2.0), ("frequency_penalty", 2.0),
+                         ("repetition_penalty", 2.0)]:
+        text = server.complete(prompt=prompt, max_tokens=8, temperature=0,
+                               **{field: value})["choices"][0]["text"]
+        assert text != greedy, field
+    # Keeping only the likeliest token makes sampling at temperature 1 greedy.
+    for field, value in [("min_p", 1.0), ("top_k", 1)]:
+        sampled = server.complete(prompt=prompt, max_tokens=8, temperature=1.0, seed=3,
+                                  **{field: value})["choices"][0]["text"]
+        assert sampled == greedy, field
+
+
+BAD_FIELDS = [
+    ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+    ("min_p", 2.0), ("min_tokens", 100), ("stop_token_ids", [-1]), ("top_k", -2),
+    ("logprobs", 21), ("prompt_logprobs", 21), ("seed", "7"), ("ignore_eos", "yes"),
+    ("logit_bias", {"12": 1000}), ("logit_bias", {"x": 1}), ("logit_bias", {"99999999": 1}),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_FIELDS, ids=[f"{f}={v}" for f, v in BAD_FIELDS])
+def test_a_bad_sampling_field_is_named(server, field, value):
+    error = server.error("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4,
+                                             field: value})
+    assert field in error["message"]
+
+
+REFUSED = [
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "and so on"}, "suffix"),
+    ("/v1/completions", {"frobnicate": True}, "frobnicate"),
+    ("/v1/completions", {"stream_options": {"continuous_usage_stats": True}, "stream": True},
+     "continuous_usage_stats"),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "Hi", "tool_calls": []}]}, "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("path,fields,name", REFUSED, ids=[r[2] for r in REFUSED])
+def test_an_unimplemented_field_is_refused_by_name(server, path, fields, name):
+    body = {"model": MODEL, "max_tokens": 2}
+    body.update({"prompt": "Hi"} if path == "/v1/completions" else {"messages": QUESTION})
+    error = server.error(path, {**body, **fields})
+    assert name in error["message"] and name in error["param"]
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
+    """The default is max_model_len minus the prompt, which the engine accepts (a favoured
+    EOS keeps the reply short)."""
+    chat = server.post("/v1/chat/completions", {"model": MODEL, "messages": QUESTION,
+                                                "logit_bias": {str(EOS): 100}}).json()
+    assert chat["choices"][0]["finish_reason"] == "stop"
+
+
+def test_no_op_values_of_unimplemented_fields_are_accepted(server):
+    server.complete(prompt="Hi", max_tokens=1, best_of=1, suffix=None, user="me",
+                    temperature=None, top_p=None, n=None, stream=False)
+    response = server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": QUESTION, "max_tokens": 1, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}, "parallel_tool_calls": False})
+    assert response.status_code == 200, response.text
+
+
+# --- 2. logprobs and echo ------------------------------------------------------------------
+
+
+def test_openai_client_logprobs_echo_penalties_and_streaming(server, client):
+    full = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2,
+        presence_penalty=0.5, frequency_penalty=0.5, seed=1,
+        extra_body={"repetition_penalty": 1.1, "min_p": 0.01, "top_k": 40, "min_tokens": 2})
+    choice = full.choices[0]
+    logprobs = choice.logprobs
+    prompt_tokens, completion_tokens = full.usage.prompt_tokens, full.usage.completion_tokens
+    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    assert len(logprobs.tokens) == prompt_tokens + completion_tokens
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i])
+                                    for i in range(len(logprobs.tokens))]
+    for token, lp, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:],
+                              logprobs.top_logprobs[1:], strict=True):
+        assert top[token] == lp and 1 <= len(top) <= 3  # the token and up to 2 alternatives
+
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2,
+        presence_penalty=0.5, frequency_penalty=0.5, seed=1, stream=True,
+        extra_body={"repetition_penalty": 1.1, "min_p": 0.01, "top_k": 40, "min_tokens": 2})
+    chunks = [c.choices[0] for c in stream]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == logprobs.tokens
+    assert [o for c in chunks for o in c.logprobs.text_offset] == logprobs.text_offset
+    streamed = [lp for c in chunks for lp in c.logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-4)
+
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(t.token for t in content).startswith(chat.choices[0].message.content)
+    for token in content:
+        assert [t.logprob for t in token.top_logprobs] == sorted(
+            (t.logprob for t in token.top_logprobs), reverse=True)
+        assert len(token.top_logprobs) == 3 and token.top_logprobs[0].token == token.token
+        assert token.bytes == list(token.token.encode())
+    chat_stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=3, stream=True)
+    streamed_content = [t for c in chat_stream if c.choices and c.choices[0].logprobs
+                        for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed_content] == [t.token for t in content]
+
+
+def lm_eval_loglikelihood(choice: dict, context_length: int) -> tuple[float, bool]:
+    """What lm-eval's local-completions backend makes of a choice (parse_logprobs)."""
+    token_logprobs = choice["logprobs"]["token_logprobs"][context_length:-1]
+    top_logprobs = choice["logprobs"]["top_logprobs"][context_length:-1]
+    greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs,
+                                                           strict=True))
+    return sum(token_logprobs), greedy
+
+
+def test_lm_eval_loglikelihood_requests(server):
+    """lm-eval's payload: token-id prompts, echo, max_tokens 1, logprobs 1, temperature 0,
+    a seed; it reads choices[i].index and the prompt's token logprobs."""
+    context = server.tokens("Question: What is the capital of France?\nAnswer:")
+    continuations = [server.tokens(" Paris"), server.tokens(" London")]
+    prompts = [context + continuation for continuation in continuations]
+    response = server.complete(prompt=prompts, echo=True, max_tokens=1, logprobs=1,
+                               temperature=0, seed=1234)
+    choices = sorted(response["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    scores = []
+    for choice, prompt in zip(choices, prompts, strict=True):
+        token_logprobs = choice["logprobs"]["token_logprobs"]
+        assert len(token_logprobs) == len(prompt) + 1  # the prompt's, then the generated one
+        assert token_logprobs[0] is None and choice["logprobs"]["top_logprobs"][0] is None
+        scores.append(lm_eval_loglikelihood(choice, len(context)))
+    paris, london = scores
+    assert paris[0] > london[0]
+
+    scored_only = server.complete(prompt=prompts, echo=True, max_tokens=0, logprobs=1,
+                                  temperature=0)
+    for choice, full, prompt in zip(sorted(scored_only["choices"], key=lambda c: c["index"]),
+                                    choices, prompts, strict=True):
+        assert choice["text"] == full["text"][: len(choice["text"])]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(prompt)
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            full["logprobs"]["token_logprobs"][1: len(prompt)], abs=1e-3)
+    assert scored_only["usage"]["completion_tokens"] == 0
+
+    # The greedy token, scored as a continuation: lm-eval finds it greedy, with the
+    # logprob it had when generated.
+    generated = server.complete(prompt=[context], max_tokens=1, logprobs=0, temperature=0)
+    token = generated["choices"][0]["logprobs"]["tokens"][0]
+    rescored = server.complete(prompt=[context + server.tokens(token)[:1]], echo=True,
+                               max_tokens=1, logprobs=1, temperature=0, seed=1234)
+    loglikelihood, greedy = lm_eval_loglikelihood(rescored["choices"][0], len(context))
+    assert greedy
+    assert loglikelihood == pytest.approx(
+        generated["choices"][0]["logprobs"]["token_logprobs"][0], abs=1e-3)
+
+
+def test_prompt_logprobs_field(server):
+    prompt = server.tokens(PROMPT)
+    choice = server.complete(prompt=prompt, max_tokens=1, prompt_logprobs=1)["choices"][0]
+    assert choice["prompt_logprobs"][0] is None
+    for token_id, position in zip(prompt[1:], choice["prompt_logprobs"][1:], strict=True):
+        assert str(token_id) in position and 1 <= len(position) <= 2
+        entry = position[str(token_id)]
+        assert entry["logprob"] <= 0 and entry["rank"] >= 1 and entry["decoded_token"]
+    chat = server.post("/v1/chat/completions", {"model": MODEL, "messages": QUESTION,
+                                                "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+# --- 3. vLLM's extra routes ------------------------------------------------------------
+
+
+def test_tokenize_detokenize_version_and_tokenizer_info(server):
+    import bcg
+
+    tokenized = server.post("/tokenize", {"model": MODEL, "prompt": PROMPT,
+                                          "return_token_strs": True}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"])
+    assert tokenized["max_model_len"] == MAX_MODEL_LEN
+    assert server.post("/detokenize", {"tokens": tokenized["tokens"]}).json() == {
+        "prompt": PROMPT}
+    chat_tokens = server.post("/tokenize", {"messages": QUESTION}).json()
+    chat = server.post("/v1/chat/completions", {"model": MODEL, "messages": QUESTION,
+                                                "max_tokens": 1}).json()
+    assert chat_tokens["count"] == chat["usage"]["prompt_tokens"]
+    without_reply_prompt = server.post("/tokenize", {"messages": QUESTION,
+                                                     "add_generation_prompt": False}).json()
+    assert without_reply_prompt["count"] < chat_tokens["count"]
+
+    assert httpx.get(f"{server.base}/version", timeout=10).json() == {
+        "version": bcg.__version__}
+    info = httpx.get(f"{server.base}/tokenizer_info", timeout=10).json()
+    assert info["tokenizer_class"] and "message" in info["chat_template"]
+    assert info["eos_token_id"] == EOS and info["eos_token"] == "<|im_end|>"
+    assert "bos_token_id" in info
+    assert httpx.head(f"{server.base}/health", timeout=10).status_code == 200
+
+    for path, body, name in [
+        ("/tokenize", {"model": "gpt-9", "prompt": "hi"}, "gpt-9"),
+        ("/tokenize", {"prompt": "hi", "messages": QUESTION}, "messages"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "vocabulary"),
+        ("/detokenize", {"tokens": "hi"}, "tokens"),
+    ]:
+        assert name in server.error(path, body)["message"]
+
+
+# --- 4. limits ---------------------------------------------------------------------------
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(server):
+    status, headers, body = send_headers_only(server.base, "/v1/completions", 10 * 2**20)
+    assert status == 413 and headers["connection"] == "close"
+    assert str(BODY_LIMIT) in body["error"]["message"]
+    assert "--max-request-body-bytes" in body["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit counts the bytes as they arrive
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(8):
+            yield b"a" * 16384
+        yield b'"}'
+
+    response = httpx.post(f"{server.base}/v1/completions", content=chunks(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert server.complete(prompt="Hi", max_tokens=1)["choices"]
+
+
+def test_too_many_sequences_in_one_request(server):
+    error = server.error("/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "n": 3,
+                                             "max_tokens": 1})
+    assert "9" in error["message"] and str(SEQUENCE_LIMIT) in error["message"]
+    assert "--max-sequences-per-request" in error["message"] and error["param"] == "n"
+    at_the_limit = server.complete(prompt=["a", "b"], n=4, max_tokens=1)
+    assert len(at_the_limit["choices"]) == SEQUENCE_LIMIT
+
+
+def test_server_settings_are_checked():
+    from bcg.server.serve import ServerSettings
+
+    with pytest.raises(ValueError, match="max_request_body_bytes"):
+        ServerSettings(max_request_body_bytes=0)
+    with pytest.raises(ValueError, match="log_stats_interval"):
+        ServerSettings(log_stats_interval=0)
+    assert set(ServerSettings.field_help()) == {
+        "max_request_body_bytes", "max_sequences_per_request", "graceful_shutdown_seconds",
+        "log_stats_interval", "disable_log_stats", "disable_access_log"}
+
+
+# --- 5. lone surrogates --------------------------------------------------------------------
+
+
+def test_a_lone_surrogate_is_refused_and_the_connection_kept(server):
+    host, port = server.base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {"Content-Type": "application/json"}
+    bodies = [  # json.dumps writes a lone surrogate as a JSON escape, as clients do
+        ("prompt", {"model": MODEL, "prompt": "x\ud800y", "max_tokens": 1}),
+        ("prompt.1", {"model": MODEL, "prompt": ["ok", "\udfff"], "max_tokens": 1}),
+        ("messages.0.content",
+         {"model": MODEL, "messages": [{"role": "user", "content": "a\udc00"}]}),
+    ]
+    sockets = set()
+    for param, body in bodies:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        connection.request("POST", path, body=json.dumps(body), headers=headers)
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+        assert response.status == 400 and "surrogate" in error["message"]
+        assert error["param"] == param
+        assert response.getheader("connection") != "close"
+        sockets.add(id(connection.sock))
+    # The same surrogate as raw (CESU-8) bytes, which JSON decoding lets through too.
+    connection.request("POST", "/v1/completions", headers=headers,
+                       body=b'{"model": "%s", "prompt": "x\xed\xa0\x80y"}' % MODEL.encode())
+    response = connection.getresponse()
+    assert response.status == 400 and "surrogate" in json.loads(response.read())["error"][
+        "message"]
+    sockets.add(id(connection.sock))
+    connection.request("POST", "/v1/completions", headers=headers,
+                       body=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}))
+    response = connection.getresponse()
+    assert response.status == 200 and json.loads(response.read())["choices"]
+    sockets.add(id(connection.sock))
+    connection.close()
+    assert len(sockets) == 1, "the server closed the keep-alive connection"
+    assert "Traceback" not in server.log_text()
+
+
+# --- 7. logging ----------------------------------------------------------------------------
+
+
+def test_access_and_throughput_log_lines(server):
+    server.complete(prompt=PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
+    httpx.get(f"{server.base}/v1/models?x=1", timeout=10)
+    deadline = time.monotonic() + 10
+    while "Avg generation throughput" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = server.log_text()
+    assert '"POST /v1/completions HTTP/1.1" 200 OK' in log
+    assert '"GET /v1/models?x=1 HTTP/1.1" 200 OK' in log
+    line = next(line for line in log.splitlines() if "Avg generation throughput" in line)
+    for part in ("Avg prompt throughput", "tokens/s", "Running:", "Waiting:", "KV cache usage"):
+        assert part in line
+    access = next(line for line in log.splitlines() if "POST /v1/completions" in line)
+    assert access.endswith(" ms")
+
+
+# --- 8. the port check ---------------------------------------------------------------------
+
+
+def test_a_busy_or_invalid_port_is_one_line_naming_it(monkeypatch):
+    import bcg.engine.llm_engine
+    from bcg.config import EngineConfig
+    from bcg.server.serve import check_port, serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=str(port)) as busy:
+            check_port("127.0.0.1", port)
+        assert "\n" not in str(busy.value)
+
+        def no_engine(*args, **kwargs):
+            raise AssertionError("the engine was built before the port was checked")
+
+        monkeypatch.setattr(bcg.engine.llm_engine.LLMEngine, "__init__", no_engine)
+        with pytest.raises(ValueError, match=str(port)):
+            serve(EngineConfig(device="cpu"), "127.0.0.1", port, None)
+        cli = subprocess.run(
+            [sys.executable, "-m", "bcg.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
+             "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert cli.returncode != 0
+    assert str(port) in cli.stderr and "Traceback" not in cli.stderr + cli.stdout
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    for invalid in (99999, 0, -1):
+        with pytest.raises(ValueError, match=str(invalid)):
+            check_port("127.0.0.1", invalid)
+    with pytest.raises(ValueError, match="no-such-host.invalid"):
+        check_port("no-such-host.invalid", 8000)
+
+
+# --- 6. shutdown (last: it stops the module's server) -----------------------------------
+
+
+def test_shutdown_ends_streams_and_responses_with_abort(server):
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    streamed: list[dict] = []
+    full: list[dict] = []
+    started = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"{server.base}/v1/completions", json={**long, "stream": True},
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line.removeprefix("data: ")))
+                    started.set()
+
+    def collect():
+        full.append(server.post("/v1/completions", long).json())
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=collect)]
+    for thread in threads:
+        thread.start()
+    assert started.wait(60), "the stream never started"
+    time.sleep(0.5)
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(60)
+    assert server.process.wait(timeout=30) == 0
+    assert streamed[-1]["choices"][0]["finish_reason"] == "abort"
+    assert all(c["choices"][0]["finish_reason"] is None for c in streamed[:-1])
+    assert full[0]["choices"][0]["finish_reason"] == "abort"
+    assert 0 < full[0]["usage"]["completion_tokens"] < 400
+    log = server.log_text()
+    assert "SIGTERM: shutting down" in log and "server stopped" in log
+    assert "Traceback" not in log
