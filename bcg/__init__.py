@@ -1,7 +1,7 @@
 """bcg: compact, compiler-free LLM inference on breakable CUDA graphs.
 
 `from bcg import LLM, SamplingParams` as with vLLM. The names load on first use, so
-`import bcg` (and the CLI's `--help`) does not import torch.
+`import bcg` alone does not import torch.
 """
 
 import importlib

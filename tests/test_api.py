@@ -85,6 +85,7 @@ def test_a_tiny_temperature_samples_greedily(llm):
     (dict(max_tokens=0), "prompt_logprobs"),
     (dict(max_tokens=-1), "max_tokens"),
     (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(seed=2**64), "seed"),
 ])
 def test_every_field_is_checked_by_name(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -179,3 +180,22 @@ def test_min_p_keeps_only_likely_tokens(llm):
 def test_logit_bias_outside_the_vocabulary_is_refused(llm):
     with pytest.raises(ValueError, match="logit_bias names token ids"):
         generate(llm, SamplingParams(max_tokens=2, logit_bias={VOCAB: 1.0}))
+
+
+def test_a_prompt_of_max_model_len_tokens_can_be_scored(tiny):
+    llm = LLM(model=str(tiny[0]), device="cpu", block_size=4, max_model_len=len(PROMPT))
+    [out] = generate(llm, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert len(out.prompt_logprobs) == len(PROMPT) and out.outputs[0].token_ids == []
+    with pytest.raises(ValueError, match="plus max_tokens=1 exceed"):
+        generate(llm, SamplingParams(max_tokens=1))
+
+
+def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm, "_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(llm, GREEDY)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert generate(llm, GREEDY)[0].outputs[0].finish_reason == "length"

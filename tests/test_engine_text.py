@@ -54,6 +54,16 @@ def test_stop_string_spanning_tokens_is_found(llm):
     assert stopped_at < len(ids) - 1
 
 
+def test_stop_strings_are_not_looked_for_before_min_tokens(llm):
+    tokenizer = llm.tokenizer
+    detokenizer = IncrementalDetokenizer(fast_backend(tokenizer), stop=["fox"])
+    ids = tokenizer.encode("The quick brown fox jumps over the fox", add_special_tokens=False)
+    first_fox = next(i for i in range(len(ids)) if "fox" in tokenizer.decode(ids[: i + 1]))
+    stops = [detokenizer.add(t, may_stop=i > first_fox) for i, t in enumerate(ids)]
+    assert stops.index(True) == len(ids) - 1  # the second fox, not the first
+    assert detokenizer.text == "The quick brown fox jumps over the "
+
+
 def test_running_text_holds_back_a_possible_stop_string(llm):
     detokenizer = IncrementalDetokenizer(fast_backend(llm.tokenizer), stop=["STOP"])
     for token_id in llm.tokenizer.encode("Hello world, ST", add_special_tokens=False):

@@ -23,14 +23,15 @@ class IncrementalDetokenizer:
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; return True if the text now contains a stop string (then cut)."""
+    def add(self, token_id: int, may_stop: bool = True) -> bool:
+        """Append a token; return True if the text now contains a stop string (then cut).
+        With `may_stop` False (before min_tokens) stop strings are not looked for."""
         new_text = self.stream.step(self.backend, token_id)
         if not new_text:
             return False
         search_from = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += new_text
-        return self._cut_at_stop(search_from)
+        return may_stop and self._cut_at_stop(search_from)
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show: while running, a tail that may start a stop string is held back."""

@@ -44,7 +44,12 @@ class LLM:
         expanded = [(prompt, p.for_choice(i))
                     for prompt, p in zip(prompts, params, strict=True) for i in range(p.n)]
         ids = self.engine.add_requests([e[0] for e in expanded], [e[1] for e in expanded])
-        finished = self._run(len(ids), use_tqdm)
+        try:
+            finished = self._run(len(ids), use_tqdm)
+        except BaseException:  # Ctrl-C or an error: these requests must not run on later
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
         outputs, taken = [], iter(ids)
         for p in params:
             choices = [finished[next(taken)] for _ in range(p.n)]

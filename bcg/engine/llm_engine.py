@@ -62,6 +62,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None  # None: no tokenizer, no text
     prompt: str | None  # the prompt text, if it came as text
     logprobs: list[PositionLogprobs] | None = None  # per generated token, if asked for
+    cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token
 
 
@@ -92,6 +93,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
+        self._token_texts: dict[int, str] = {}
         logger.info("engine ready: %s on %s (%s), max_model_len=%d", source.name,
                     self.runner.device, self.runner.dtype, self.max_model_len)
 
@@ -139,10 +141,12 @@ class LLMEngine:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(self.add_request(prompt, p))
-        except ValueError as error:
+        except BaseException as error:
             for request_id in ids:
                 self.abort_request(request_id)
-            raise ValueError(f"prompt {len(ids)}: {error}") from error
+            if isinstance(error, ValueError):
+                raise ValueError(f"prompt {len(ids)}: {error}") from error
+            raise
         return ids
 
     def chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -209,7 +213,10 @@ class LLMEngine:
         request = self._requests[seq.request_id]
         if request.logprobs is not None:
             request.logprobs.append(self._position_logprobs(token_id, logprobs))
-        stopped_by_text = request.detokenizer is not None and request.detokenizer.add(token_id)
+            request.cumulative_logprob += logprobs[0]
+        may_stop = seq.num_output_tokens >= seq.sampling_params.min_tokens
+        stopped_by_text = (request.detokenizer is not None
+                           and request.detokenizer.add(token_id, may_stop))
         reason = self._finish_reason(seq, token_id, stopped_by_text)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -233,14 +240,20 @@ class LLMEngine:
         return entries
 
     def _decode_token(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        """A token's text, decoded once per engine (logprobs name thousands a step)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped_by_text: bool) -> str | None:
         params = seq.sampling_params
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         if stopped_by_text or is_eos or token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens:  # admission kept it within max_model_len
             return "length"
         return None
 
@@ -254,8 +267,7 @@ class LLMEngine:
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason,
             logprobs=None if logprobs is None else list(logprobs),
-            cumulative_logprob=None if logprobs is None else sum(
-                p[t].logprob for p, t in zip(logprobs, seq.output_token_ids, strict=True)),
+            cumulative_logprob=None if logprobs is None else request.cumulative_logprob,
         )
         return RequestOutput(
             request_id=seq.request_id,
@@ -275,9 +287,6 @@ class LLMEngine:
         bad_bias = [t for t in params.logit_bias or {} if t >= vocab_size]
         require(not bad_bias, f"logit_bias names token ids {bad_bias[:5]} outside the "
                 f"vocabulary [0, {vocab_size})")
-        require(len(token_ids) < self.max_model_len,
-                f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}: shorten it (or raise max_model_len)")
         require(len(token_ids) + params.max_tokens <= self.max_model_len,
                 f"the prompt's {len(token_ids)} tokens plus max_tokens={params.max_tokens} "
                 f"exceed max_model_len={self.max_model_len}: lower max_tokens or shorten the "

@@ -26,8 +26,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None  # one per generated token, if asked for
     cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs
 
-    @property
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
 
 

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from bcg.config import is_int, require
-
-MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's limit)
+from bcg.layers.sampler import MAX_LOGPROBS
 
 
 @dataclass
@@ -68,7 +67,8 @@ class SamplingParams:
         _check(self.min_tokens, "min_tokens", is_int(self.min_tokens) and
                0 <= self.min_tokens <= self.max_tokens, "an integer in [0, max_tokens]")
         _check(self.ignore_eos, "ignore_eos", isinstance(self.ignore_eos, bool), "true or false")
-        _check(self.seed, "seed", self.seed is None or is_int(self.seed), "an integer or None")
+        _check(self.seed, "seed", self.seed is None or (
+            is_int(self.seed) and -2**63 <= self.seed < 2**64), "None or a 64-bit integer")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value, name, value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),

@@ -17,6 +17,7 @@ import torch
 
 # Below this a temperature samples like greedy: dividing logits by it would overflow.
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's limit)
 
 
 @dataclass

@@ -46,22 +46,22 @@ class ScheduledSequence(Protocol):
 
 
 @dataclass(frozen=True)
-class TopPSampling:
+class SlowestSampling:
     """Sampling that takes the sampler's longest path (the activation profile's)."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 0.9
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float = 0.1
+    presence_penalty: float = 0.5
+    frequency_penalty: float = 0.5
+    repetition_penalty: float = 1.1
     logit_bias: None = None
     min_tokens: int = 0
     stop_token_ids: tuple = ()
     logprobs: None = None
     prompt_logprobs: None = None
-    processes_logits: bool = False
+    processes_logits: bool = True
 
 
 @dataclass
@@ -69,7 +69,7 @@ class SyntheticSequence:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int = 0
-    sampling_params: SamplingOptions = field(default_factory=TopPSampling)
+    sampling_params: SamplingOptions = field(default_factory=SlowestSampling)
     generator: None = None
 
     @property

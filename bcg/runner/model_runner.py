@@ -17,7 +17,7 @@ import torch
 from bcg.config import EngineConfig
 from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
 from bcg.layers.attention_backend import attention_backend
-from bcg.layers.sampler import Sampler, token_logprobs
+from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
 from bcg.runner.batch import ScheduledSequence, SyntheticSequence, build_batch, samples_this_step
@@ -47,6 +47,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
         self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         self.attention = attention_backend(self.device, c.num_attention_heads,
@@ -137,9 +138,15 @@ class ModelRunner:
         if not rows:
             return {}
         tops = [seqs[i].sampling_params.prompt_logprobs for i in spans for _ in range(spans[i][2])]
-        logits = self.model.compute_logits(hidden_states[torch.tensor(rows, device=self.device)])
+        rows = torch.tensor(rows, device=self.device)
         targets = torch.tensor(targets, device=self.device)
-        scored = to_python(token_logprobs(logits, targets, max(tops)), tops)
+        scored = []
+        # At most as many rows at once as a step samples: the memory profile covers that.
+        for start in range(0, len(tops), self.max_num_seqs):
+            piece = slice(start, start + self.max_num_seqs)
+            logits = self.model.compute_logits(hidden_states[rows[piece]])
+            scored += to_python(token_logprobs(logits, targets[piece], max(tops[piece])),
+                                tops[piece])
         return {i: (position, scored[offset : offset + count])
                 for i, (position, offset, count) in spans.items()}
 
@@ -238,7 +245,7 @@ class ModelRunner:
                                   max_model_len: int) -> int:
         """Peak extra memory of the largest step: a forward of `num_tokens` prompt tokens in
         sequences as long as allowed (the largest attention), then sampling `max_num_seqs` rows
-        with top-p."""
+        the slowest way (penalties, top-p, logprobs)."""
         lengths = [min(max_model_len, num_tokens - start)
                    for start in range(0, num_tokens, max_model_len)]
         blocks_per_seq = cdiv(max_model_len, self.block_size)
@@ -252,7 +259,8 @@ class ModelRunner:
         hidden_states = self.forward(self.prepare(seqs, lengths))  # a graph if captured
         rows = min(max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows])
-        self.sampler(logits, build_sampling_batch([seqs[0]] * rows, self.sampling))
+        sampled = self.sampler(logits, build_sampling_batch([seqs[0]] * rows, self.sampling))
+        token_logprobs(logits, sampled, MAX_LOGPROBS)  # logprobs' peak too
         torch.cuda.synchronize(self.device)
         del self.kv_cache, hidden_states, logits
         peak = torch.cuda.max_memory_allocated(self.device)
