@@ -16,6 +16,8 @@ import sys
 import types
 import typing
 
+from bcg.utils import one_line
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -103,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model to serve, as vLLM takes it: the same as --model")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=_port, default=8000,
+    serve.add_argument("--port", type=int, default=8000,  # the range: serve's check_port
                        help="port to listen on, 1 to 65535 (default: 8000)")
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients pass as `model`; default: the model as given, or "
@@ -129,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         print("bcg: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ValueError, FileNotFoundError) as error:
-        print(f"bcg: error: {_one_line(error)}", file=sys.stderr)
+        print(f"bcg: error: {one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:  # `bcg generate ... | head`: the reader left, nothing to report
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     except OSError as error:  # the machine refused (a port in use, a file not readable)
-        print(f"bcg: error: {_one_line(error)}", file=sys.stderr)
+        print(f"bcg: error: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILED
 
 
@@ -240,23 +242,8 @@ def _naming_flags(names: list[str], build):
         raise ValueError(message) from None
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (1 to 65535)")
-    return port
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _one_line(error: BaseException) -> str:
-    """The message on one line: library messages (transformers, uvicorn) may run to several."""
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _silence_stdout() -> None:

@@ -6,3 +6,18 @@ from __future__ import annotations
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of integers (on the host: `triton.cdiv` costs microseconds a call)."""
     return -(-a // b)
+
+
+def is_number(value) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def one_line(error: BaseException, limit: int | None = None) -> str:
+    """An error's message on one line, for a one-line error report (library messages, from
+    transformers or uvicorn, may run to paragraphs): its lines joined by single spaces, cut
+    to `limit` characters; the error's type if the message is empty."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text

@@ -213,3 +213,41 @@ def test_tokenizer_paths_are_checked(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{broken")
     with pytest.raises(ValueError, match=f"could not load tokenizer '{tmp_path}'"):
         load_tokenizer(source, str(tmp_path))
+
+
+def test_a_gguf_tokenizer_without_the_suffix_is_recognised(tmp_path, monkeypatch):
+    """The tokenizer override is classified as the model is: a GGUF by its magic bytes too."""
+    import bcg.loader.tokenizer as tokenizer_module
+    from bcg.loader.gguf_reader import GGUF_MAGIC
+    from bcg.loader.model_source import classify_name
+
+    path = tmp_path / "vocab"
+    path.write_bytes(GGUF_MAGIC + b"\0" * 16)
+    assert classify_name(str(path)) == ("gguf", path)
+    loaded = []
+    monkeypatch.setattr(tokenizer_module, "_gguf_tokenizer", loaded.append)
+    load_tokenizer(resolve_model("smollm2-135m"), str(path))
+    assert loaded == [path]
+    assert [classify_name(name)[0] for name in
+            (str(tmp_path), "Qwen/Qwen3-0.6B", "/missing", "name")] == [
+        "folder", "hub", "missing", "unknown"]
+
+
+def test_library_errors_are_quoted_on_one_line(tmp_path, monkeypatch):
+    import bcg.loader.tokenizer as tokenizer_module
+    from bcg.utils import one_line
+
+    assert one_line(ValueError("Error:\n  the file\n\n is bad ")) == "Error: the file is bad"
+    assert one_line(OSError()) == "OSError"
+    assert one_line(ValueError("x" * 400), 300) == "x" * 297 + "..."
+
+    def fails(*args, **kwargs):
+        raise OSError("Can't load tokenizer:\n" + "details " * 100)
+
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", fails)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError) as error:
+        load_tokenizer(resolve_model("smollm2-135m"), str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "Can't load tokenizer: details" in message
+    assert message.endswith("...") and len(message) < 400

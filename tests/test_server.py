@@ -257,3 +257,131 @@ def test_default_limits(server):
     message = response.json()["error"]["message"]
     assert "258" in message and "256" in message and "--max-sequences-per-request" in message
     assert httpx.head(f"{server}/health", timeout=10).status_code == 200
+
+
+# --- in process: the engine thread, stream aborts, counters ----------------------------------
+
+
+class _ThreadRecordingTokenizer:
+    """The engine's tokenizer, noting which threads call it."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.threads: set[str] = set()
+
+    def __getattr__(self, name):
+        value = getattr(self._tokenizer, name)
+        if callable(value):
+            def recorded(*args, **kwargs):
+                import threading
+
+                self.threads.add(threading.current_thread().name)
+                return value(*args, **kwargs)
+            return recorded
+        return value
+
+
+def test_only_the_engine_thread_uses_the_tokenizer():
+    """Echo of a token-id prompt (its text, its first token's string) and /tokenize's chat
+    variants are made on the engine thread, not on the event loop's."""
+    require_builtin_model()
+    from starlette.testclient import TestClient
+
+    from bcg.config import EngineConfig
+    from bcg.engine.llm_engine import LLMEngine
+    from bcg.server.app import create_app
+    from bcg.server.serve import ServerSettings
+
+    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=MAX_MODEL_LEN))
+    tokenizer = engine.tokenizer
+    prompt_ids = tokenizer.encode(PROMPT)
+    expected_text = tokenizer.decode(prompt_ids)
+    expected_first = tokenizer.decode(prompt_ids[:1])
+    default_chat = engine.chat_token_ids(QUESTION)
+    recording = engine.tokenizer = _ThreadRecordingTokenizer(tokenizer)
+    app = create_app(engine, MODEL, ServerSettings(disable_log_stats=True,
+                                                   disable_access_log=True))
+    body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": 2, "temperature": 0,
+            "echo": True, "logprobs": 1}
+    with TestClient(app) as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert choice["text"].startswith(expected_text)
+        assert choice["logprobs"]["tokens"][0] == expected_first
+        events = http.post("/v1/completions", json={**body, "stream": True}).text
+        first = json.loads(events.split("\n\n")[0].removeprefix("data: "))["choices"][0]
+        assert first["text"].startswith(expected_text)
+        assert first["logprobs"]["tokens"][0] == expected_first
+        assert http.post("/tokenize", json={"messages": QUESTION}).json()[
+            "tokens"] == default_chat
+        shorter = http.post("/tokenize", json={"messages": QUESTION,
+                                               "add_generation_prompt": False}).json()
+        assert shorter["tokens"] == default_chat[:shorter["count"]] < default_chat
+    assert recording.threads == {"bcg-engine"}
+
+
+def test_a_stream_the_client_leaves_before_its_first_event_is_aborted():
+    """The client is gone before the response iterates its events: no generator `finally`
+    runs, so the response itself aborts the requests."""
+    import asyncio
+
+    from bcg.server.app import _Run
+    from bcg.server.protocol import CompletionRequest
+
+    class Loop:
+        aborted: list[list[str]] = []
+
+        def abort(self, request_ids):
+            Loop.aborted.append(request_ids)
+
+    async def chunks():
+        raise AssertionError("the stream was not expected to start")
+        yield {}
+
+    async def client_leaves_at_once():
+        run = _Run(Loop(), CompletionRequest(model=MODEL, prompt="Hi"), MODEL, ["Hi"],
+                   ["r0"], asyncio.Queue())
+        response = run.stream(chunks())
+        never = asyncio.Event()
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await never.wait()  # the socket is gone: nothing is ever sent
+
+        await response({"type": "http", "asgi": {"spec_version": "2.0"}}, receive, send)
+
+    asyncio.run(client_leaves_at_once())
+    assert Loop.aborted == [["r0"]]
+
+
+def test_generated_tokens_count_only_outputs_that_added_one():
+    """A scored prompt (max_tokens=0) finishes with no token: it adds none to the count."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bcg.engine.outputs import CompletionOutput, RequestOutput
+    from bcg.server.engine_loop import EngineLoop, _no_output_yet, _Route
+
+    def output(request_id, token_ids, finished):
+        return RequestOutput(request_id, None, [1, 2], [CompletionOutput(
+            0, "", token_ids, "length" if finished else None)], finished)
+
+    steps = [[output("gen", [5], False), output("scored", [], True)],
+             [output("gen", [5, 6], True)]]
+    blocks = SimpleNamespace(num_free_blocks=1, blocks=[0])
+    engine = SimpleNamespace(
+        step=lambda: steps.pop(0), stats=SimpleNamespace(prefill_tokens=0),
+        scheduler=SimpleNamespace(running=[], waiting=[], block_manager=blocks),
+        runner=SimpleNamespace(forward_counts={}))
+    loop = EngineLoop(engine)
+    loop._loop = asyncio.new_event_loop()
+    try:
+        queue = asyncio.Queue()
+        for index, request_id in enumerate(["gen", "scored"]):
+            loop._routes[request_id] = _Route(queue, index, _no_output_yet(request_id, [1, 2]))
+        loop._step()
+        loop._step()
+    finally:
+        loop._loop.close()
+    assert loop.snapshot.num_generation_tokens == 2

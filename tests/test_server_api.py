@@ -6,6 +6,7 @@ The server runs `serve()` with small `ServerSettings` (limits, a fast stats inte
 short grace period) in a subprocess whose log goes to a file the tests read.
 """
 
+import dataclasses
 import http.client
 import json
 import signal
@@ -171,6 +172,7 @@ REFUSED = [
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/chat/completions",
      {"messages": [{"role": "user", "content": "Hi", "tool_calls": []}]}, "tool_calls"),
 ]
@@ -389,11 +391,13 @@ def test_server_settings_are_checked():
 
     with pytest.raises(ValueError, match="max_request_body_bytes"):
         ServerSettings(max_request_body_bytes=0)
-    with pytest.raises(ValueError, match="log_stats_interval"):
+    with pytest.raises(ValueError, match="log_stats_interval must be a number > 0"):
         ServerSettings(log_stats_interval=0)
-    assert set(ServerSettings.field_help()) == {
-        "max_request_body_bytes", "max_sequences_per_request", "graceful_shutdown_seconds",
-        "log_stats_interval", "disable_log_stats", "disable_access_log"}
+    assert ServerSettings(graceful_shutdown_seconds=0).graceful_shutdown_seconds == 0
+    for bad in (-1, True, "5"):
+        with pytest.raises(ValueError, match="graceful_shutdown_seconds must be a number >= 0"):
+            ServerSettings(graceful_shutdown_seconds=bad)
+    assert all(f.metadata["help"] for f in dataclasses.fields(ServerSettings))
 
 
 # --- 5. lone surrogates --------------------------------------------------------------------

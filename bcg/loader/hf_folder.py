@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from bcg.config import is_int
 from bcg.models.config import as_id_list
 
 
@@ -44,7 +45,7 @@ def read_generation_eos(folder: Path) -> list[int]:
     if not path.is_file():
         return []
     eos = read_json_object(path).get("eos_token_id")
-    if not (eos is None or _is_id(eos) or (isinstance(eos, list) and all(map(_is_id, eos)))):
+    if not (eos is None or is_int(eos) or (isinstance(eos, list) and all(map(is_int, eos)))):
         raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
     return as_id_list(eos)
 
@@ -65,7 +66,3 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with handle as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
-
-def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

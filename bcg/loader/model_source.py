@@ -17,9 +17,11 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from bcg.config import is_int
 from bcg.loader.builtin import BUILTIN_NAME, builtin_gguf_path
 from bcg.loader.gguf_file import iter_gguf_tensors, read_gguf_config
 from bcg.loader.gguf_reader import GGUF_MAGIC, GGUFFile
@@ -27,6 +29,7 @@ from bcg.loader.hf_folder import iter_safetensors, read_generation_eos, read_hf_
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 from bcg.models.registry import ARCHITECTURES
+from bcg.utils import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ _FILE_SUFFIXES = (".gguf", ".json", ".safetensors", ".bin")
 _POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim",
                     "max_position_embeddings")
+
+ERROR_LIMIT = 300  # characters of a library's error quoted in ours
 
 WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -65,25 +70,45 @@ def _resolve_weights(model: str | None) -> ModelSource:
     if model in PRESETS:
         logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
         return ModelSource(model, ModelConfig.from_hf_dict(PRESETS[model]), None, None)
-    path = Path(model).expanduser()
-    if path.is_dir():
+    kind, path = classify_name(model)
+    if kind == "folder":
         return _folder_source(path, model)
-    if path.is_file():
-        if path.suffix == ".gguf" or _starts_with(path, GGUF_MAGIC):
-            return _gguf_source(path, model)
+    if kind == "gguf":
+        return _gguf_source(path, model)
+    if kind == "file":
         raise ValueError(f"model {model!r} is a file but not a GGUF file: pass a .gguf file or "
                          "a Hugging Face model folder")
-    if path.exists():
+    if kind == "other":
         raise ValueError(f"model {model!r} is neither a folder nor a file")
-    if is_hub_id(model):
+    if kind == "hub":
         return _folder_source(_download_from_hub(model), model)
-    if looks_like_path(model):
+    if kind == "missing":
         raise ValueError(f"model path {model!r} does not exist")
     raise ValueError(
         f"unknown model {model!r}: pass a Hugging Face folder, a .gguf file, a Hub id "
         f"(org/name), or a preset for dummy weights ({', '.join(sorted(PRESETS))}); "
         f"leave it out for the built-in {BUILTIN_NAME}"
     )
+
+
+NameKind = Literal["folder", "gguf", "file", "other", "hub", "missing", "unknown"]
+
+
+def classify_name(name: str) -> tuple[NameKind, Path]:
+    """What a model or tokenizer name means, and its path: a local "folder", a "gguf" file
+    (by its suffix or its magic bytes), another "file", something "other" that exists; else
+    a "hub" id (`org/name`: local paths win), a "missing" path, or "unknown"."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return "folder", path
+    if path.is_file():
+        is_gguf = path.suffix == ".gguf" or _starts_with(path, GGUF_MAGIC)
+        return ("gguf" if is_gguf else "file"), path
+    if path.exists():
+        return "other", path
+    if is_hub_id(name):
+        return "hub", path
+    return ("missing" if looks_like_path(name) else "unknown"), path
 
 
 def is_hub_id(name: str) -> bool:
@@ -131,7 +156,7 @@ def _model_config(hf_config: dict, origin: Path) -> ModelConfig:
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
     for field in _POSITIVE_FIELDS:
         value = getattr(config, field)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        if not (is_int(value) and value > 0):
             raise ValueError(f"{origin}: {field} must be a positive integer, got {value!r}")
     return config
 
@@ -153,13 +178,5 @@ def _download_from_hub(repo_id: str) -> Path:
     except Exception as error:
         raise ValueError(
             f"{repo_id!r} is not a local path, and fetching it from the Hugging Face Hub failed "
-            f"({first_line(error)}); pass a local folder or .gguf file instead"
+            f"({one_line(error, ERROR_LIMIT)}); pass a local folder or .gguf file instead"
         ) from None
-
-
-def first_line(error: BaseException, limit: int = 300) -> str:
-    """The first line of an error's message (library messages often run to paragraphs)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (
-        lines[0] if lines else type(error).__name__)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

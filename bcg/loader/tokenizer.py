@@ -14,13 +14,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from bcg.loader.model_source import (
-    TOKENIZER_FILES,
-    ModelSource,
-    first_line,
-    is_hub_id,
-    looks_like_path,
-)
+from bcg.loader.model_source import ERROR_LIMIT, TOKENIZER_FILES, ModelSource, classify_name
+from bcg.utils import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +37,22 @@ def load_tokenizer(
 
 
 def _load_override(name: str) -> PreTrainedTokenizerBase:
-    path = Path(name).expanduser()
-    if path.is_dir():
+    kind, path = classify_name(name)
+    if kind == "folder":
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise ValueError(f"tokenizer folder {name!r} has none of {', '.join(TOKENIZER_FILES)}")
         return _from_pretrained(str(path), f"tokenizer {name!r}")
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return _gguf_tokenizer(path)
+    if kind == "gguf":
+        return _gguf_tokenizer(path)
+    if kind == "file":
         raise ValueError(f"tokenizer {name!r} is a file: pass the folder holding it (or a "
                          ".gguf file)")
-    if is_hub_id(name):
+    if kind == "other":
+        raise ValueError(f"tokenizer {name!r} is neither a folder nor a file")
+    if kind == "hub":
         return _from_pretrained(name, f"tokenizer {name!r} (not a local path, so from the "
                                       "Hugging Face Hub)")
-    if looks_like_path(name):
+    if kind == "missing":
         raise ValueError(f"tokenizer path {name!r} does not exist")
     raise ValueError(f"tokenizer {name!r} is neither a local folder nor a Hub id (org/name)")
 
@@ -64,7 +61,7 @@ def _from_pretrained(name: str, what: str, **kwargs) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError, TypeError, KeyError) as error:
-        raise ValueError(f"could not load {what}: {first_line(error)}") from None
+        raise ValueError(f"could not load {what}: {one_line(error, ERROR_LIMIT)}") from None
 
 
 def tokenizer_cache_dir() -> Path:

@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -28,9 +27,11 @@ from bcg.engine.llm_engine import LLMEngine
 from bcg.engine.outputs import RequestOutput
 from bcg.server.engine_loop import EngineLoop, EngineSnapshot, Prompt
 from bcg.server.logprobs import (
+    EchoText,
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    echo_text,
     prompt_logprobs_json,
 )
 from bcg.server.metrics import render_metrics
@@ -105,6 +106,7 @@ def create_app(engine: LLMEngine, model_name: str,
 class _Server:
     def __init__(self, engine: LLMEngine, engine_loop: EngineLoop, model_name: str,
                  settings: ServerSettings) -> None:
+        self.engine = engine  # only on the engine thread (`EngineLoop.call`)
         self.engine_loop = engine_loop
         self.model_name = model_name
         self.settings = settings
@@ -112,7 +114,6 @@ class _Server:
         self.vocab_size = engine.model_config.vocab_size
         self.tokenizer = engine.tokenizer
         self.eos_token_ids = sorted(engine.eos_token_ids)
-        self.text = TokenText(engine.tokenizer)
 
     async def health(self) -> dict:
         return {"status": "ok"}
@@ -146,8 +147,7 @@ class _Server:
             messages = [m.as_template_input() for m in body.messages]
             special = bool(body.add_special_tokens)
             generation_prompt = body.add_generation_prompt is not False
-            encode = lambda: tokenizer.encode(
-                self._render_chat(messages, generation_prompt), add_special_tokens=special)
+            encode = lambda: self._chat_token_ids(messages, generation_prompt, special)
 
         def run() -> dict:
             tokens = encode()
@@ -172,9 +172,9 @@ class _Server:
         if not prompts:
             raise ApiError("the prompt is empty", param="prompt")
         run = await self._start(body, prompts, lambda _: COMPLETION_DEFAULT_MAX_TOKENS)
-        formatter = _CompletionFormat(run, self.text)
+        formatter = _CompletionFormat(run)
         if body.stream:
-            return _sse(run.stream(formatter.chunks()))
+            return run.stream(formatter.chunks())
         return JSONResponse(formatter.response(await run.collect(request)))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -182,9 +182,9 @@ class _Server:
         run = await self._start(
             body, [messages],
             lambda prompt_len: body.default_max_tokens(prompt_len, self.max_model_len))
-        formatter = _ChatFormat(run, self.text)
+        formatter = _ChatFormat(run)
         if body.stream:
-            return _sse(run.stream(formatter.chunks()))
+            return run.stream(formatter.chunks())
         return JSONResponse(formatter.response(await run.collect(request)))
 
     async def _start(self, body: SamplingFields, prompts: list[Prompt],
@@ -203,12 +203,14 @@ class _Server:
                 f"this request asks for {len(prompts) * n} sequences ({len(prompts)} prompts x "
                 f"n={n}) but the server allows {limit} per request "
                 "(--max-sequences-per-request): split it", param="n" if n > 1 else "prompt")
-        bad = [t for t in body.logit_bias or {} if t >= self.vocab_size]
-        if bad:
-            raise ApiError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="logit_bias")
+        echo = isinstance(body, CompletionRequest) and body.echo
+        echoes: dict[int, EchoText] = {}  # prompt index -> its echo strings
 
         def make_params(index: int, token_ids: list[int]):
+            """On the engine thread: the params, and the echo strings (the tokenizer's)."""
+            if echo and index % n == 0:
+                echoes[index // n] = echo_text(self.tokenizer, token_ids,
+                                               not isinstance(prompts[index // n], str))
             max_tokens = body.max_tokens
             if max_tokens is None:
                 max_tokens = default_max_tokens(len(token_ids))
@@ -220,7 +222,8 @@ class _Server:
             ids = await self.engine_loop.add(engine_prompts, make_params, outputs)
         except ValueError as error:
             raise ApiError(str(error)) from error
-        return _Run(self.engine_loop, body, self.model_name, engine_prompts, ids, outputs)
+        return _Run(self.engine_loop, body, self.model_name, engine_prompts, ids, outputs,
+                    echoes)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -238,14 +241,17 @@ class _Server:
         except ValueError as error:
             raise ApiError(str(error)) from error
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template: send a prompt")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as error:
-            raise ValueError(f"the model's chat template rejected the messages: {error}") from error
+    def _chat_token_ids(self, messages: list[dict], add_generation_prompt: bool,
+                        add_special_tokens: bool) -> list[int]:
+        """On the engine thread: `LLMEngine.chat_token_ids` (its checks and the default,
+        ready for the reply, without special tokens), rendered again for the /tokenize
+        variants it does not take (add_generation_prompt false, add_special_tokens true)."""
+        token_ids = self.engine.chat_token_ids(messages)
+        if add_generation_prompt and not add_special_tokens:
+            return token_ids
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _tokenizer_info(self) -> dict:
         """vLLM's /tokenizer_info: the tokenizer's init arguments (special tokens as
@@ -272,13 +278,14 @@ class _Run:
 
     def __init__(self, engine_loop: EngineLoop, body: SamplingFields, model_name: str,
                  prompts: list[Prompt], request_ids: list[str],
-                 outputs: asyncio.Queue) -> None:
+                 outputs: asyncio.Queue, echoes: dict[int, EchoText] | None = None) -> None:
         self.engine_loop = engine_loop
         self.body = body
         self.model_name = model_name
         self.prompts = prompts  # per engine request (choice index)
         self.request_ids = request_ids
         self.outputs = outputs
+        self.echoes = echoes or {}  # prompt index -> its echo strings (echo only)
         self.id = new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl")
         self.created = now()
         self.final: dict[int, RequestOutput] = {}
@@ -311,15 +318,10 @@ class _Run:
             await asyncio.sleep(DISCONNECT_POLL_SECONDS)
         self.outputs.put_nowait((-1, ConnectionError("the client disconnected")))
 
-    async def stream(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-        except ApiError as error:
-            yield f"data: {json.dumps(error_body(str(error), error.status))}\n\n"
-        finally:
-            self.engine_loop.abort(self.request_ids)
+    def stream(self, chunks: AsyncIterator[dict]) -> StreamingResponse:
+        """The chunks as server-sent events; however the response ends (done, the client
+        gone, even before the first event), the requests are aborted."""
+        return _EventStream(_events(chunks), lambda: self.engine_loop.abort(self.request_ids))
 
     def usage(self) -> dict:
         n = self.body.num_choices
@@ -355,10 +357,9 @@ class _Sent:
 
 
 class _CompletionFormat:
-    def __init__(self, run: _Run, text: TokenText) -> None:
+    def __init__(self, run: _Run) -> None:
         self.run = run
         self.body: CompletionRequest = run.body
-        self.text = text
 
     def response(self, final: dict[int, RequestOutput]) -> dict:
         choices = [self._choice(i, final[i], _Sent()) for i in sorted(final)]
@@ -380,17 +381,21 @@ class _CompletionFormat:
         completion = output.outputs[0]
         text = sent.new_text(completion.text)
         token_ids, positions = sent.new_tokens(output)
+        strings = TokenText()
+        if self.body.echo:
+            echo = self.run.echoes[index // self.body.num_choices]
+            strings = echo.tokens
         if self.body.echo and not sent.echoed:
             sent.echoed = True
             prompt = self.run.prompts[index]
             prompt_ids = output.prompt_token_ids
-            text = (prompt if isinstance(prompt, str) else self.text.text(prompt_ids)) + text
+            text = (prompt if isinstance(prompt, str) else echo.text) + text
             prompt_positions = output.prompt_logprobs or [None] * len(prompt_ids)
             token_ids, positions = [*prompt_ids, *token_ids], [*prompt_positions, *positions]
         choice = {"index": index, "text": text, "logprobs": None,
                   "finish_reason": completion.finish_reason}
         if self.body.logprobs is not None:
-            logprobs = completion_logprobs(token_ids, positions, self.body.logprobs, self.text,
+            logprobs = completion_logprobs(token_ids, positions, self.body.logprobs, strings,
                                            sent.offset)
             sent.offset += sum(len(token) for token in logprobs["tokens"])
             choice["logprobs"] = logprobs
@@ -400,10 +405,9 @@ class _CompletionFormat:
 
 
 class _ChatFormat:
-    def __init__(self, run: _Run, text: TokenText) -> None:
+    def __init__(self, run: _Run) -> None:
         self.run = run
         self.body: ChatCompletionRequest = run.body
-        self.text = text
 
     def response(self, final: dict[int, RequestOutput]) -> dict:
         choices = []
@@ -439,16 +443,36 @@ class _ChatFormat:
         if not self.body.logprobs:
             return None
         return {"content": chat_logprobs(token_ids, positions, self.body.top_logprobs or 0,
-                                         self.text)}
+                                         TokenText())}  # generated tokens: all decoded
 
 
 def _chat_delta(index: int, delta: dict, logprobs: dict | None, reason: str | None) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    except ApiError as error:
+        yield f"data: {json.dumps(error_body(str(error), error.status))}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events, then `on_close()` however the response ends: a generator's
+    `finally` would not run if the client left before the first event was asked for."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def _jsonable(value: Any) -> Any:

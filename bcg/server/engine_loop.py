@@ -183,8 +183,10 @@ class EngineLoop:
             return
         deliveries = []
         for output in outputs:
-            self.snapshot.num_generation_tokens += 1
             route = self._routes[output.request_id]  # every request is added with its route
+            # A step adds a token at most; a scored prompt (max_tokens=0) generates none.
+            grew = len(output.outputs[0].token_ids) > len(route.last.outputs[0].token_ids)
+            self.snapshot.num_generation_tokens += grew
             route.last = output
             if output.finished:
                 del self._routes[output.request_id]

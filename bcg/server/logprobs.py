@@ -10,6 +10,7 @@ top_logprobs}. -inf (and NaN) become -9999.0, as OpenAI sends, since JSON has ne
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bcg.engine.outputs import Logprob, PositionLogprobs
 
@@ -21,22 +22,36 @@ def clamp(logprob: float) -> float:
 
 
 class TokenText:
-    """Token strings: the engine's `decoded_token` when it has one, else the tokenizer's;
-    `str(token_id)` for a model without a tokenizer (a preset with dummy weights)."""
+    """Token strings without the tokenizer (only the engine thread may use it): the engine's
+    `decoded_token` when it has one, else a string made on the engine thread (`known`: a
+    prompt's first token, the one position without logprobs), else `str(token_id)` (a model
+    without a tokenizer: a preset with dummy weights)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, known: dict[int, str] | None = None) -> None:
+        self.known = known or {}
 
     def token(self, token_id: int, entry: Logprob | None = None) -> str:
         if entry is not None and entry.decoded_token is not None:
             return entry.decoded_token
-        if self.tokenizer is None:
-            return str(token_id)
-        return self.tokenizer.decode([token_id])
+        return self.known.get(token_id, str(token_id))
 
-    def text(self, token_ids: Sequence[int]) -> str:
-        """A token-id prompt as text (for echo); "" without a tokenizer, like outputs."""
-        return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
+
+@dataclass
+class EchoText:
+    """What echoing a prompt takes from the tokenizer: the prompt as text (token-id prompts;
+    "" without a tokenizer, like outputs) and the strings of its first token (`TokenText`)."""
+
+    text: str | None
+    tokens: TokenText
+
+
+def echo_text(tokenizer, token_ids: Sequence[int], as_text: bool) -> EchoText:
+    """A prompt's `EchoText`, for the engine thread; `as_text`: decode the whole prompt too."""
+    if tokenizer is None:
+        return EchoText("" if as_text else None, TokenText())
+    text = tokenizer.decode(list(token_ids)) if as_text else None
+    first = token_ids[0]
+    return EchoText(text, TokenText({first: tokenizer.decode([first])}))
 
 
 def completion_logprobs(token_ids: Sequence[int],

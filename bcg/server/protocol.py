@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -87,6 +87,8 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id, for the caller's records: not used
 
+    _streamed_prompt_logprobs_instead: ClassVar[str] = ""  # a hint for the refusal
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _token_id_keys(cls, bias: Any) -> Any:
@@ -113,7 +115,11 @@ class SamplingFields(StrictModel):
         return None
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) for the first field that asks for something not implemented."""
+        """(field, why) for the first field that asks for something not implemented
+        (subclasses check their own fields, then these)."""
+        if self.stream and self.prompt_logprobs is not None:
+            return ("prompt_logprobs", "prompt_logprobs are not available when streaming"
+                                       + self._streamed_prompt_logprobs_instead)
         return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -149,6 +155,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None  # only 1: candidates ranked server-side are not implemented
     suffix: str | None = None  # insertion (text after the completion) is not implemented
 
+    _streamed_prompt_logprobs_instead: ClassVar[str] = " (use echo with logprobs)"
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: a string or a token-id list is a batch of one."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -175,10 +183,7 @@ class CompletionRequest(SamplingFields):
                                "ones) is not supported: use n")
         if self.suffix:
             return ("suffix", "suffix (insertion) is not supported")
-        if self.stream and self.prompt_logprobs is not None:
-            return ("prompt_logprobs", "prompt_logprobs are not available when streaming "
-                                       "(use echo with logprobs)")
-        return None
+        return super().unsupported()
 
 
 class TextPart(StrictModel):
@@ -205,7 +210,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False  # logprobs of each generated token
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # ... and this many likeliest
+    # ... and this many likeliest; checked here: SamplingParams would name `logprobs`
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields this server does not implement, accepted only with a no-op value.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -231,9 +237,7 @@ class ChatCompletionRequest(SamplingFields):
                                        "{'type': 'text'}) is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             return ("top_logprobs", "top_logprobs needs logprobs: true")
-        if self.stream and self.prompt_logprobs is not None:
-            return ("prompt_logprobs", "prompt_logprobs are not available when streaming")
-        return None
+        return super().unsupported()
 
     def default_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
         """What is left of the context, unless the request sets a cap."""

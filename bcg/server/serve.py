@@ -18,10 +18,11 @@ import logging
 import signal
 import socket
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from bcg.config import EngineConfig
+from bcg.config import EngineConfig, is_int
 from bcg.loader.builtin import BUILTIN_NAME
+from bcg.utils import is_number
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +52,21 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_sequences_per_request"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            if not (is_int(value) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("graceful_shutdown_seconds", "log_stats_interval"):
-            value = getattr(self, name)
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
-            if not ok or (name == "log_stats_interval" and value == 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-
-    @classmethod
-    def field_help(cls) -> dict[str, str]:
-        return {f.name: f.metadata["help"] for f in fields(cls)}
+        value = self.graceful_shutdown_seconds  # 0: abort at once
+        if not (is_number(value) and value >= 0):
+            raise ValueError(f"graceful_shutdown_seconds must be a number >= 0, got {value!r}")
+        value = self.log_stats_interval
+        if not (is_number(value) and value > 0):
+            raise ValueError(f"log_stats_interval must be a number > 0, got {value!r}")
 
 
 def check_port(host: str, port: int) -> None:
     """Raise a one-line ValueError naming the port if the server could not listen on
     `host:port` (out of range, host unknown, or the port taken): a bind test, done before
     the model loads."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+    if not (is_int(port) and 1 <= port <= 65535):
         raise ValueError(f"port {port} is not a valid TCP port: pick one in 1-65535 (--port)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
