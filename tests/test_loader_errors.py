@@ -223,14 +223,15 @@ def test_a_gguf_tokenizer_without_the_suffix_is_recognised(tmp_path, monkeypatch
 
     path = tmp_path / "vocab"
     path.write_bytes(GGUF_MAGIC + b"\0" * 16)
-    assert classify_name(str(path)) == ("gguf", path)
+    assert classify_name(str(path), "tokenizer") == ("gguf", path)
     loaded = []
     monkeypatch.setattr(tokenizer_module, "_gguf_tokenizer", loaded.append)
     load_tokenizer(resolve_model("smollm2-135m"), str(path))
     assert loaded == [path]
-    assert [classify_name(name)[0] for name in
-            (str(tmp_path), "Qwen/Qwen3-0.6B", "/missing", "name")] == [
-        "folder", "hub", "missing", "unknown"]
+    assert [classify_name(name, "tokenizer")[0] for name in
+            (str(tmp_path), "Qwen/Qwen3-0.6B", "name")] == ["folder", "hub", "unknown"]
+    with pytest.raises(ValueError, match="tokenizer path '/missing' does not exist"):
+        classify_name("/missing", "tokenizer")
 
 
 def test_library_errors_are_quoted_on_one_line(tmp_path, monkeypatch):

@@ -70,7 +70,7 @@ def _resolve_weights(model: str | None) -> ModelSource:
     if model in PRESETS:
         logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
         return ModelSource(model, ModelConfig.from_hf_dict(PRESETS[model]), None, None)
-    kind, path = classify_name(model)
+    kind, path = classify_name(model, "model")
     if kind == "folder":
         return _folder_source(path, model)
     if kind == "gguf":
@@ -78,12 +78,8 @@ def _resolve_weights(model: str | None) -> ModelSource:
     if kind == "file":
         raise ValueError(f"model {model!r} is a file but not a GGUF file: pass a .gguf file or "
                          "a Hugging Face model folder")
-    if kind == "other":
-        raise ValueError(f"model {model!r} is neither a folder nor a file")
     if kind == "hub":
         return _folder_source(_download_from_hub(model), model)
-    if kind == "missing":
-        raise ValueError(f"model path {model!r} does not exist")
     raise ValueError(
         f"unknown model {model!r}: pass a Hugging Face folder, a .gguf file, a Hub id "
         f"(org/name), or a preset for dummy weights ({', '.join(sorted(PRESETS))}); "
@@ -91,13 +87,14 @@ def _resolve_weights(model: str | None) -> ModelSource:
     )
 
 
-NameKind = Literal["folder", "gguf", "file", "other", "hub", "missing", "unknown"]
+NameKind = Literal["folder", "gguf", "file", "hub", "unknown"]
 
 
-def classify_name(name: str) -> tuple[NameKind, Path]:
-    """What a model or tokenizer name means, and its path: a local "folder", a "gguf" file
-    (by its suffix or its magic bytes), another "file", something "other" that exists; else
-    a "hub" id (`org/name`: local paths win), a "missing" path, or "unknown"."""
+def classify_name(name: str, what: str) -> tuple[NameKind, Path]:
+    """What a model or tokenizer (`what`) name means, and its path: a local "folder", a
+    "gguf" file (by its suffix or its magic bytes), another "file"; else a "hub" id
+    (`org/name`: local paths win) or "unknown". A path that exists but is neither folder
+    nor file, or a path-shaped name that does not exist, is a ValueError."""
     path = Path(name).expanduser()
     if path.is_dir():
         return "folder", path
@@ -105,10 +102,12 @@ def classify_name(name: str) -> tuple[NameKind, Path]:
         is_gguf = path.suffix == ".gguf" or _starts_with(path, GGUF_MAGIC)
         return ("gguf" if is_gguf else "file"), path
     if path.exists():
-        return "other", path
+        raise ValueError(f"{what} {name!r} is neither a folder nor a file")
     if is_hub_id(name):
         return "hub", path
-    return ("missing" if looks_like_path(name) else "unknown"), path
+    if looks_like_path(name):
+        raise ValueError(f"{what} path {name!r} does not exist")
+    return "unknown", path
 
 
 def is_hub_id(name: str) -> bool:

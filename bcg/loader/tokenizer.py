@@ -37,7 +37,7 @@ def load_tokenizer(
 
 
 def _load_override(name: str) -> PreTrainedTokenizerBase:
-    kind, path = classify_name(name)
+    kind, path = classify_name(name, "tokenizer")
     if kind == "folder":
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise ValueError(f"tokenizer folder {name!r} has none of {', '.join(TOKENIZER_FILES)}")
@@ -47,13 +47,9 @@ def _load_override(name: str) -> PreTrainedTokenizerBase:
     if kind == "file":
         raise ValueError(f"tokenizer {name!r} is a file: pass the folder holding it (or a "
                          ".gguf file)")
-    if kind == "other":
-        raise ValueError(f"tokenizer {name!r} is neither a folder nor a file")
     if kind == "hub":
         return _from_pretrained(name, f"tokenizer {name!r} (not a local path, so from the "
                                       "Hugging Face Hub)")
-    if kind == "missing":
-        raise ValueError(f"tokenizer path {name!r} does not exist")
     raise ValueError(f"tokenizer {name!r} is neither a local folder nor a Hub id (org/name)")
 
 
