@@ -446,8 +446,10 @@ def test_a_lone_surrogate_is_refused_and_the_connection_kept(server):
 def test_access_and_throughput_log_lines(server):
     server.complete(prompt=PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
     httpx.get(f"{server.base}/v1/models?x=1", timeout=10)
-    deadline = time.monotonic() + 10
-    while "Avg generation throughput" not in server.log_text() and time.monotonic() < deadline:
+    expected = ("Avg generation throughput", '"GET /v1/models?x=1 HTTP/1.1" 200 OK')
+    deadline = time.monotonic() + 10  # a request's access line is written after its response
+    while (not all(text in server.log_text() for text in expected)
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     log = server.log_text()
     assert '"POST /v1/completions HTTP/1.1" 200 OK' in log
