@@ -28,6 +28,7 @@ from bcg.loader.model_source import resolve_model
 from bcg.loader.tokenizer import load_tokenizer
 from bcg.runner.graph_verify import verify_graphs
 from bcg.runner.model_runner import ModelRunner
+from bcg.timing import startup_step
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        start = time.perf_counter()
         source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")
         self.model_config = source.config
         self.max_model_len = self._max_model_len(config)
@@ -83,7 +85,8 @@ class LLMEngine:
                                   tuple(sorted(self.eos_token_ids)))
         self.max_model_len = self.runner.max_model_len  # lowered if the KV cache is smaller
         if config.verify_graphs and self.runner.graph_runners:
-            verify_graphs(self.runner)
+            with startup_step("--verify-graphs"):
+                verify_graphs(self.runner)
         block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -94,8 +97,9 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self._token_texts: dict[int, str] = {}
-        logger.info("engine ready: %s on %s (%s), max_model_len=%d", source.name,
-                    self.runner.device, self.runner.dtype, self.max_model_len)
+        logger.info("engine ready in %.2f s: %s on %s (%s), max_model_len=%d",
+                    time.perf_counter() - start, source.name, self.runner.device,
+                    self.runner.dtype, self.max_model_len)
 
     def add_request(
         self,

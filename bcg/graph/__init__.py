@@ -4,6 +4,7 @@ This layer depends on torch only and knows nothing about language models.
 """
 
 from bcg.graph.breaks import break_graph, eager_on_graph, fork_stream
+from bcg.graph.bridge import BridgeBuffers, bridge_buffer, use_bridge_buffers
 from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
 from bcg.graph.capture import BreakableCUDAGraphCapture, current_capture
 from bcg.graph.context import (
@@ -20,12 +21,14 @@ from bcg.graph.slots import FillContext, GraphSlot, PaddingPolicy
 __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
+    "BridgeBuffers",
     "FillContext",
     "GraphBufferRegistry",
     "GraphReplayError",
     "GraphSlot",
     "PaddingPolicy",
     "break_graph",
+    "bridge_buffer",
     "clear_shared_buffers",
     "copy_output",
     "current_capture",
@@ -36,4 +39,5 @@ __all__ = [
     "get_current_stream",
     "is_in_breakable_cuda_graph",
     "share_buffer",
+    "use_bridge_buffers",
 ]

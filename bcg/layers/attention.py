@@ -1,9 +1,10 @@
 """The attention layer: paged causal attention over the per-step state in the forward
 context, hence the graph break point of every model.
 
-The layer allocates the output (inside the graph segment before the break, so it lives in
-the graph pool) and hands q, k, v and the output to the backend the context carries. Rows
-past the batch's real token count (graph padding) are neither read nor cached.
+The layer takes the output from the bridge buffers (`bcg.graph.bridge`: what crosses a break
+is shared by all layers, so the graph pool does not grow with them) and hands q, k, v and
+the output to the backend the context carries. Rows past the batch's real token count
+(graph padding) are neither read nor cached.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from bcg.forward import get_forward_context
+from bcg.graph import bridge_buffer
 from bcg.layers.step_op import step_op
 
 
@@ -27,8 +29,12 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q `[T, H, D]`, k, v `[T, KVH, D]`, T >= the live token count -> `[T, H, D]`."""
-        output = torch.empty_like(q)
+        """q `[T, H, D]`, k, v `[T, KVH, D]`, T >= the live token count -> `[T, H, D]`. q, k
+        and v should be views of a bridge buffer too (the model's QKV projection writes them
+        there), the output is one."""
+        output = bridge_buffer("attention_output", q.shape, q.dtype, q.device)
+        if output is None:
+            output = torch.empty_like(q)
         attend(self, q, k, v, output)
         return output
 

@@ -22,8 +22,13 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(sum(output_sizes)), requires_grad=False) if bias else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` `[T, input_size]` -> `[T, sum(output_sizes)]`, written into `out` if given."""
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
     def shard(self, param_name: str, index: int) -> torch.Tensor:
         """Row block `index` of `weight` or `bias` (a view to load into)."""

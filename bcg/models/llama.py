@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bcg.graph import bridge_buffer
 from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention import Attention
 from bcg.layers.embedding import Embedding, LMHead
@@ -39,7 +40,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        # q, k, v cross attention's graph break: written into the layer-shared bridge.
+        shape = (hidden_states.shape[0], self.qkv_proj.weight.shape[0])
+        qkv = self.qkv_proj(hidden_states, out=bridge_buffer("qkv", shape, hidden_states.dtype,
+                                                              hidden_states.device))
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -17,7 +17,8 @@ import bisect
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,15 +29,16 @@ from bcg.forward import ForwardBatch, ForwardContext, set_forward_context
 from bcg.graph import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BridgeBuffers,
     eager_on_graph,
     enable_breakable_cuda_graph,
+    use_bridge_buffers,
 )
 
 logger = logging.getLogger(__name__)
 
 Stack = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MakeContext = Callable[[ForwardBatch], ForwardContext]
-WARMUPS_PER_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,25 @@ class CapturedStack:
     context: ForwardContext  # what attention read at capture (and reads at replay, decode)
 
 
+def settled_reserved_bytes(device: torch.device) -> int:
+    """Memory the allocator reserves once the device is idle and freed blocks are back."""
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
+
+
+@contextmanager
+def frozen_gc() -> Iterator[None]:
+    """No full garbage collection while graphs are captured: one would scan every Python
+    object (hundreds of thousands with a model's libraries loaded) at a random moment."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 @eager_on_graph
 def run_stack_eagerly(stack: Stack, input_ids, positions, output: torch.Tensor) -> None:
     """Debug mode's single break: the whole stack, eagerly, into the captured output."""
@@ -81,6 +102,8 @@ class GraphRunner:
         self.buckets = sorted(set(buckets))
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.graphs: dict[int, CapturedStack] = {}
+        self.stream = torch.cuda.Stream(self.device)  # one capture stream for every bucket
+        self.bridges = BridgeBuffers()  # what crosses a break, shared by every layer
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
@@ -105,65 +128,78 @@ class GraphRunner:
         return captured.output
 
     def capture_all(self) -> None:
-        """Capture every bucket, largest first so smaller ones reuse the pool's blocks."""
-        reserved = self._settled_reserved_bytes()
-        start = time.perf_counter()
+        """Warm every bucket up, then capture them all, largest first so smaller ones reuse
+        the pool's blocks. Garbage is collected and the device synchronised once per runner,
+        not per bucket; the garbage collector is frozen meanwhile."""
+        reserved = settled_reserved_bytes(self.device)
         sizes = sorted(self.buckets, reverse=True)
-        desc = f"capturing {self.kind} graphs ({self.mode})"
-        for size in tqdm(sizes, desc=desc, unit="graph", leave=False):
-            self.graphs[size] = self.capture_one(size)
-        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        with frozen_gc():
+            inputs = self._warm_up(sizes)
+            warmed = time.perf_counter()
+            desc = f"capturing {self.kind} graphs ({self.mode})"
+            for size in tqdm(sizes, desc=desc, unit="graph", leave=False):
+                self.graphs[size] = self._capture(*inputs[size])
+            torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        self.pool_bytes = self._settled_reserved_bytes() - reserved
-        logger.info("%s graphs (%s): %d buckets %s captured in %.2f s, graph pool %.3f GiB",
-                    self.kind, self.mode, len(sizes), self.buckets, self.capture_seconds,
+        self.pool_bytes = settled_reserved_bytes(self.device) - reserved
+        logger.info("%s graphs (%s): %d buckets %s in %.2f s (warm-up %.2f s, capture %.2f s), "
+                    "graph pool %.3f GiB", self.kind, self.mode, len(sizes), self.buckets,
+                    self.capture_seconds, warmed - start, self.capture_seconds - (warmed - start),
                     self.pool_bytes / 2**30)
 
     def measure_pool_bytes(self) -> int:
         """Pool memory the graphs will take, from a throw-away capture of the largest bucket
         (smaller buckets reuse its blocks), so the KV cache can be sized around it."""
-        reserved = self._settled_reserved_bytes()
-        captured = self.capture_one(self.max_size)
-        # Settled first: the warm-ups' freed activations are cache, not pool.
-        used = self._settled_reserved_bytes() - reserved
+        reserved = settled_reserved_bytes(self.device)
+        with frozen_gc():
+            captured = self._capture(*self._warm_up([self.max_size])[self.max_size])
+        # Settled first: the warm-up's freed activations are cache, not pool.
+        used = settled_reserved_bytes(self.device) - reserved
         del captured
-        self._settled_reserved_bytes()
+        settled_reserved_bytes(self.device)
         self.pool = torch.cuda.graph_pool_handle()  # the measured pool is gone
         return used
 
-    def _settled_reserved_bytes(self) -> int:
-        """Memory the allocator reserves once the device is idle and freed blocks are back."""
+    @torch.inference_mode()
+    def _warm_up(self, sizes: list[int]) -> dict[int, tuple]:
+        """Run the stack once per size before any capture, on the capture stream: every
+        kernel variant is compiled (Triton specialises on sizes) and every lazily made
+        workspace allocated (cuBLAS keeps one per stream) outside the graph pool. Returns
+        each size's capture inputs."""
+        inputs = {}
+        with torch.cuda.stream(self.stream), use_bridge_buffers(self.bridges):
+            for size in sizes:
+                inputs[size] = input_ids, positions, context = self.capture_inputs(size)
+                with set_forward_context(context), enable_breakable_cuda_graph(self.mode != "full"):
+                    self.stack(input_ids, positions)
         torch.cuda.synchronize(self.device)
-        gc.collect()
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved(self.device)
+        return inputs
 
     @torch.inference_mode()
-    def capture_one(self, size: int) -> CapturedStack:
-        input_ids, positions, context = self.capture_inputs(size)
-        with set_forward_context(context), enable_breakable_cuda_graph(self.mode != "full"):
-            for _ in range(WARMUPS_PER_SIZE):
-                self.stack(input_ids, positions)
-            torch.cuda.synchronize(self.device)
-            gc.collect()
-            graph, output = self._capture(input_ids, positions)
+    def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 context: ForwardContext) -> CapturedStack:
+        with (set_forward_context(context), enable_breakable_cuda_graph(self.mode != "full"),
+              use_bridge_buffers(self.bridges)):
+            if self.mode == "full":
+                graph = torch.cuda.CUDAGraph()  # not torch.cuda.graph: it syncs and empties
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache
+                with torch.cuda.stream(self.stream):
+                    graph.capture_begin(pool=self.pool)
+                    try:
+                        output = self.stack(input_ids, positions)
+                    finally:
+                        graph.capture_end()
+                return CapturedStack(graph, output, context)
+            graph = BreakableCUDAGraph()
+            with BreakableCUDAGraphCapture(graph, pool=self.pool, stream=self.stream):
+                if self.mode == "debug":
+                    output = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
+                                         device=self.device)
+                    run_stack_eagerly(self.stack, input_ids, positions, output)
+                else:
+                    output = self.stack(input_ids, positions)
         return CapturedStack(graph, output, context)
-
-    def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        if self.mode == "full":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = self.stack(input_ids, positions)
-            return graph, output
-        graph = BreakableCUDAGraph()
-        with BreakableCUDAGraphCapture(graph, pool=self.pool):
-            if self.mode == "debug":
-                output = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
-                                     device=self.device)
-                run_stack_eagerly(self.stack, input_ids, positions, output)
-            else:
-                output = self.stack(input_ids, positions)
-        return graph, output
 
     # What differs between decode and prefill runners:
     def size_of(self, batch: ForwardBatch) -> int | None:

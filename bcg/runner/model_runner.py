@@ -26,6 +26,7 @@ from bcg.runner.graph_runner import GraphRunner, StackSpec
 from bcg.runner.host import cpu_kv_cache_budget, warn_if_cores_contended
 from bcg.runner.prefill_graph import PrefillGraphRunner
 from bcg.runner.sampling import PositionLogprobs, SamplingContext, build_sampling_batch, to_python
+from bcg.timing import startup_step
 from bcg.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
-        self.model = load_model(source, self.dtype, self.device, config.seed)
+        with startup_step(f"weights ({config.load_format})"):
+            self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         self.attention = attention_backend(self.device, c.num_attention_heads,
                                            c.num_key_value_heads, c.head_dim)
@@ -62,12 +64,18 @@ class ModelRunner:
         self.graph_runners: list[GraphRunner] = []  # tried in order; decode first
         decode, prefill = self._graph_runners(config, max_model_len)
         if prefill is not None:
-            prefill.capture_all()
+            with startup_step("prefill graphs"):
+                prefill.capture_all()
             self.graph_runners.append(prefill)
-        decode_pool_bytes = decode.measure_pool_bytes() if decode is not None else 0
-        self.kv_cache = self._allocate_kv_cache(config, max_model_len, decode_pool_bytes)
+        decode_pool_bytes = 0
         if decode is not None:
-            decode.capture_all()
+            with startup_step("decode graph pool measured"):
+                decode_pool_bytes = decode.measure_pool_bytes()
+        with startup_step("KV cache sized and allocated"):
+            self.kv_cache = self._allocate_kv_cache(config, max_model_len, decode_pool_bytes)
+        if decode is not None:
+            with startup_step("decode graphs"):
+                decode.capture_all()
             self.graph_runners.insert(0, decode)
 
     @property
@@ -233,9 +241,9 @@ class ModelRunner:
     def _free_kv_bytes(self, config: EngineConfig, max_model_len: int) -> int:
         """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now
         (weights, graph pools, other processes), minus the peak activations of the largest step."""
-        activation_bytes = self._profile_activation_bytes(
-            config.max_num_batched_tokens, config.max_num_seqs, max_model_len
-        )
+        with startup_step("activation profile"):
+            activation_bytes = self._profile_activation_bytes(
+                config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
         free, total = torch.cuda.mem_get_info(self.device)
         allowed = int(total * config.gpu_memory_utilization)
         return max(0, allowed - (total - free) - activation_bytes)
