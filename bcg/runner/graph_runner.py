@@ -104,6 +104,7 @@ class GraphRunner:
         self.graphs: dict[int, CapturedStack] = {}
         self.stream = torch.cuda.Stream(self.device)  # one capture stream for every bucket
         self.bridges = BridgeBuffers()  # what crosses a break, shared by every layer
+        self._warmed: set[int] = set()  # sizes whose warm-up ran
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
@@ -171,8 +172,11 @@ class GraphRunner:
         with torch.cuda.stream(self.stream), use_bridge_buffers(self.bridges):
             for size in sizes:
                 inputs[size] = input_ids, positions, context = self.capture_inputs(size)
+                if size in self._warmed:  # by measure_pool_bytes
+                    continue
                 with set_forward_context(context), enable_breakable_cuda_graph(self.mode != "full"):
                     self.stack(input_ids, positions)
+                self._warmed.add(size)
         torch.cuda.synchronize(self.device)
         return inputs
 
