@@ -415,6 +415,24 @@ def test_misuse_errors(fake):
     assert graph.is_captured
 
 
+@pytest.mark.parametrize("make,name", [
+    (lambda: eager_on_graph(capture_stub="stub"), "capture_stub"),
+    (lambda: eager_on_graph("yes"), "enable"),
+    (lambda: eager_on_graph(enable=1), "enable"),
+    (lambda: BreakableCUDAGraphCapture(BreakableCUDAGraph(), barrier_fn="barrier"), "barrier_fn"),
+])
+def test_bad_arguments_are_refused_when_made_naming_them(make, name):
+    """Not at the first break, where a non-callable would fail as "'str' object is not
+    callable" deep inside a capture."""
+    with pytest.raises(TypeError, match=name):
+        make()
+
+
+def test_unknown_capture_error_mode_is_refused():
+    with pytest.raises(ValueError, match="capture_error_mode must be one of global"):
+        BreakableCUDAGraphCapture(BreakableCUDAGraph(), capture_error_mode="strict")
+
+
 def test_replay_token_is_new_per_replay_and_visible_in_break(fake):
     tokens = []
 

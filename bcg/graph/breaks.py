@@ -37,9 +37,15 @@ def eager_on_graph(fn_or_enable: Any = True, *, enable: bool | None = None, capt
     None, so nothing is copied. A returned result is written back into the capture-time
     result by `copy_output`.
     """
+    if capture_stub is not None and not callable(capture_stub):
+        raise TypeError(f"eager_on_graph: capture_stub must be callable or None, got "
+                        f"{type(capture_stub).__name__}")
     if callable(fn_or_enable):
         return _make_break(fn_or_enable, capture_stub)
-    enabled = bool(fn_or_enable) if enable is None else enable
+    enabled = fn_or_enable if enable is None else enable
+    if not isinstance(enabled, bool):
+        raise TypeError(f"eager_on_graph: enable must be a bool (or decorate a function), got "
+                        f"{type(enabled).__name__}")
 
     def decorate(fn: F) -> F:
         return _make_break(fn, capture_stub) if enabled else fn

@@ -13,6 +13,7 @@ from bcg.graph.context import _current_stream
 from bcg.graph.graph import BreakableCUDAGraph
 
 _EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")  # cudaStreamCaptureMode
 
 
 class CudaBackend:
@@ -70,6 +71,12 @@ class BreakableCUDAGraphCapture:
                 f"BreakableCUDAGraphCapture needs a BreakableCUDAGraph, got "
                 f"{type(graph).__name__}; create one with BreakableCUDAGraph()"
             )
+        if barrier_fn is not None and not callable(barrier_fn):
+            raise TypeError(f"BreakableCUDAGraphCapture: barrier_fn must be callable or None, "
+                            f"got {type(barrier_fn).__name__}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(f"BreakableCUDAGraphCapture: capture_error_mode must be one of "
+                             f"{', '.join(CAPTURE_ERROR_MODES)}; got {capture_error_mode!r}")
         self.graph = graph
         self.pool = pool
         self.stream = stream
