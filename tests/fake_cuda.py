@@ -15,6 +15,9 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         self.backend.log.append(f"{self.name}<-{other.name}")
 
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.name}>"
+
 
 class FakeSegment:
     def __init__(self, backend: FakeBackend) -> None:
@@ -30,6 +33,8 @@ class FakeSegment:
     def capture_end(self) -> None:
         assert self.backend.recording is self
         self.backend.recording = None
+        if self.backend.unjoined_work:  # CUDA's error for a forked stream left unjoined
+            raise RuntimeError("operation failed due to a previous error during capture")
         self.backend.log.append("end")
         if not self.kernels:
             warnings.warn("The CUDA Graph is empty. This usually means ...", stacklevel=2)
@@ -55,12 +60,15 @@ class FakeStreamContext:
 
 
 class FakeBackend:
+    stream_class = FakeStream
+
     def __init__(self) -> None:
         self.log: list[str] = []
         self.recording: FakeSegment | None = None
         self.stream = FakeStream(self, "default")
         self.segments: list[FakeSegment] = []
         self.pools = 0
+        self.unjoined_work = False
 
     def launch(self, kernel: Callable[[], None]) -> None:
         """Record a kernel while capturing (not run, like CUDA), else run it now."""

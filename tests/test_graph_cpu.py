@@ -485,3 +485,34 @@ def test_capture_runs_on_its_stream_and_side_streams_are_joined(fake):
         "end",
         "default<-capture",
     ]
+
+
+def test_a_stream_forked_with_plain_wait_stream_is_joined_like_fork_stream(fake):
+    """How SGLang's and vLLM's model code forks (e.g. MoE shared experts): no fork_stream."""
+    side = FakeStream(fake, "side")
+    original = FakeStream.wait_stream
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        side.wait_stream(fake.current_stream())
+        fake.launch(lambda: None)
+        break_graph()
+        fake.launch(lambda: None)
+    log = [entry for entry in fake.log if "<-" in entry or entry == "end"]
+    assert log == ["capture<-default", "side<-capture", "capture<-side", "end",
+                   "side<-capture", "capture<-side", "end", "default<-capture"]
+    assert FakeStream.wait_stream is original  # the tracking is gone with the capture
+    side.wait_stream(fake.current_stream())  # outside a capture: a plain wait
+    assert fake.log[-1] == "side<-default"
+
+
+def test_a_segment_that_cannot_end_names_the_forked_streams_and_where(fake):
+    side = FakeStream(fake, "side")
+    graph = BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match=r"segment 1 .*could not end.*side.* forked in "
+                                           r"segment 1 \(after break 0\).*through an event"):
+        with BreakableCUDAGraphCapture(graph):
+            fake.launch(lambda: None)
+            break_graph()
+            side.wait_stream(fake.current_stream())
+            fake.unjoined_work = True
+    assert current_capture() is None and not graph.is_captured

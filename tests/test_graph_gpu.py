@@ -230,13 +230,16 @@ def test_exception_during_replay_names_the_break():
         graph.replay()
 
 
-def test_side_stream_forked_inside_a_segment():
+@pytest.mark.parametrize("fork", [fork_stream,
+                                  lambda side: side.wait_stream(torch.cuda.current_stream())],
+                         ids=["fork_stream", "plain wait_stream"])
+def test_side_stream_forked_inside_a_segment(fork):
     side = torch.cuda.Stream()
     x = torch.randn(256, 256, device="cuda")
     out_main, out_side = torch.empty_like(x), torch.empty_like(x)
 
     def region():
-        fork_stream(side)
+        fork(side)
         with torch.cuda.stream(side):
             out_side.copy_(x @ x)  # spans the break below
         shifted_softmax_into(x, out_main)
@@ -247,6 +250,22 @@ def test_side_stream_forked_inside_a_segment():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, torch.softmax(x, -1) + x @ x)
+
+
+def test_a_stream_forked_through_an_event_and_left_unjoined_is_named():
+    side = torch.cuda.Stream()
+    x = torch.randn(64, 64, device="cuda")
+
+    def region():
+        event = torch.cuda.current_stream().record_event()
+        side.wait_event(event)  # a fork bcg cannot see
+        with torch.cuda.stream(side):
+            x.mul_(2)
+        shifted_softmax_into(x, torch.empty_like(x))
+
+    with pytest.raises(RuntimeError, match="could not end.*through an event"):
+        capture(region)
+    torch.cuda.synchronize()
 
 
 def test_decreasing_sizes_largest_first_in_one_pool_random_replay():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -35,6 +36,10 @@ class CudaBackend:
     def stream_context(self, stream: torch.cuda.Stream) -> Any:
         return torch.cuda.stream(stream)
 
+    @property
+    def stream_class(self) -> type:
+        return torch.cuda.Stream
+
 
 backend = CudaBackend()
 _current_capture: ContextVar[BreakableCUDAGraphCapture | None] = ContextVar(
@@ -45,6 +50,45 @@ _current_capture: ContextVar[BreakableCUDAGraphCapture | None] = ContextVar(
 def current_capture() -> BreakableCUDAGraphCapture | None:
     """The capture active in this thread/context, if any."""
     return _current_capture.get()
+
+
+class _WaitStreamTracker:
+    """While any capture is active, `Stream.wait_stream` also tells the capture of this
+    context when a stream forks from its capture stream (`side.wait_stream(capture)`, as
+    model code forks for overlapped work), so that stream is joined before each segment
+    ends like one from `fork_stream`. Installed on the stream class for the duration of
+    the captures (counted, so concurrent captures in other threads share it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._installed: tuple[type, Callable] | None = None
+
+    def install(self, stream_class: type) -> None:
+        with self._lock:
+            self._users += 1
+            if self._installed is None:
+                original = stream_class.wait_stream
+
+                def wait_stream(stream, other) -> None:
+                    original(stream, other)
+                    capture = _current_capture.get()
+                    if capture is not None and other == capture.stream and stream != other:
+                        capture.track_fork(stream)
+
+                stream_class.wait_stream = wait_stream
+                self._installed = (stream_class, original)
+
+    def uninstall(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._installed is not None:
+                stream_class, original = self._installed
+                stream_class.wait_stream = original
+                self._installed = None
+
+
+_wait_stream_tracker = _WaitStreamTracker()
 
 
 class BreakableCUDAGraphCapture:
@@ -85,6 +129,7 @@ class BreakableCUDAGraphCapture:
         self.in_break = False
         self._segment: Any = None
         self._side_streams: list[torch.cuda.Stream] = []
+        self._fork_sites: list[str] = []  # where each side stream first forked
         self._restore: list[Callable[[], None]] = []
 
     def __enter__(self) -> BreakableCUDAGraphCapture:
@@ -102,7 +147,9 @@ class BreakableCUDAGraphCapture:
         stream_context.__enter__()
         capture_token = _current_capture.set(self)
         stream_token = _current_stream.set(self.stream)
+        _wait_stream_tracker.install(backend.stream_class)
         self._restore = [
+            _wait_stream_tracker.uninstall,
             lambda: caller_stream.wait_stream(self.stream),
             lambda: stream_context.__exit__(None, None, None),
             lambda: _current_stream.reset(stream_token),
@@ -133,8 +180,17 @@ class BreakableCUDAGraphCapture:
         """Make `side_stream` part of the capture; it is joined before every segment ends
         and forked again when the next segment begins."""
         side_stream.wait_stream(self.stream)
+        self.track_fork(side_stream)
+
+    def track_fork(self, side_stream: torch.cuda.Stream) -> None:
+        """Record that `side_stream` forked from the capture stream (idempotent)."""
         if side_stream not in self._side_streams:
             self._side_streams.append(side_stream)
+            self._fork_sites.append(self._position())
+
+    def _position(self) -> str:
+        breaks = self.graph.num_breaks
+        return f"segment {breaks}" + (f" (after break {breaks - 1})" if breaks else "")
 
     def run_break(self, fn: Callable, args: tuple, kwargs: dict, stub: Callable | None) -> Any:
         """End the segment, run `fn` (or its capture stub) eagerly, record it, begin anew."""
@@ -161,7 +217,20 @@ class BreakableCUDAGraphCapture:
         for side_stream in self._side_streams:
             self.stream.wait_stream(side_stream)
         segment, self._segment = self._segment, None
-        self.graph._add_segment(segment, empty=_end_and_check_empty(segment))
+        try:
+            empty = _end_and_check_empty(segment)
+        except RuntimeError as error:
+            raise RuntimeError(self._unjoined_message(error)) from error
+        self.graph._add_segment(segment, empty=empty)
+
+    def _unjoined_message(self, error: RuntimeError) -> str:
+        forks = "; ".join(f"{stream} forked in {site}" for stream, site
+                          in zip(self._side_streams, self._fork_sites, strict=True))
+        return (f"{self._position()} of the capture could not end: {error}. A stream forked "
+                f"from the capture stream must be joined back before a segment ends; bcg "
+                f"joins the ones forked with fork_stream() or wait_stream() "
+                f"({forks or 'none were'}), but not a fork through an event: join that "
+                f"stream yourself (capture_stream.wait_stream(side)) before the break")
 
     def _abort(self) -> None:
         segment, self._segment = self._segment, None
