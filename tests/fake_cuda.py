@@ -4,7 +4,10 @@ the breakable-capture protocol can be tested on a machine without a GPU."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
+
+import torch
 
 
 class FakeStream:
@@ -69,6 +72,22 @@ class FakeBackend:
         self.segments: list[FakeSegment] = []
         self.pools = 0
         self.unjoined_work = False
+        self.recording_allocations = False
+        self.allocations: dict[int, tuple[weakref.ref, str]] = {}  # address: (tensor, site)
+
+    def allocate(self, numel: int, site: str) -> torch.Tensor:
+        """A tensor the fake allocator reports while it lives, allocated at `site`."""
+        tensor = torch.empty(numel)
+        self.allocations[tensor.data_ptr()] = (weakref.ref(tensor), site)
+        return tensor
+
+    def start_recording_allocations(self) -> None:
+        self.recording_allocations = True
+
+    def live_blocks(self) -> dict[int, tuple[int, list]]:
+        return {address: (ref().untyped_storage().nbytes(), [{"filename": site, "line": 1,
+                                                             "name": "alloc"}])
+                for address, (ref, site) in self.allocations.items() if ref() is not None}
 
     def launch(self, kernel: Callable[[], None]) -> None:
         """Record a kernel while capturing (not run, like CUDA), else run it now."""

@@ -23,6 +23,7 @@ from bcg.graph import (
     fork_stream,
     get_current_replay_token,
     is_in_breakable_cuda_graph,
+    mark_break_output,
 )
 from bcg.graph.context import _current_stream
 from tests.fake_cuda import FakeBackend, FakeStream
@@ -516,3 +517,50 @@ def test_a_segment_that_cannot_end_names_the_forked_streams_and_where(fake):
             side.wait_stream(fake.current_stream())
             fake.unjoined_work = True
     assert current_capture() is None and not graph.is_captured
+
+
+def test_leak_check_names_a_break_whose_allocation_outlives_it(fake):
+    kept = []
+
+    @eager_on_graph
+    def leaky(x):
+        kept.append(fake.allocate(16, "leaky_site.py"))  # kept alive, not returned
+
+    graph = BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match=r"(?s)break .*leaky leaked 1 CUDA allocation.*64 bytes"
+                                           r".*leaky_site.py"):
+        with BreakableCUDAGraphCapture(graph, check_leaks=True):
+            leaky(torch.zeros(1))
+    assert current_capture() is None and fake.recording_allocations
+
+
+def test_leak_check_accepts_results_marked_outputs_and_temporaries(fake):
+    kept = []
+
+    @eager_on_graph
+    def returns(x):
+        fake.allocate(8, "temporary.py")  # freed at once: not a leak
+        return fake.allocate(4, "result.py")
+
+    @eager_on_graph
+    def marks(x):
+        kept.append(fake.allocate(4, "cache.py"))
+        mark_break_output(kept[-1])
+
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph, check_leaks=True):
+        returns(torch.zeros(1))
+        marks(torch.zeros(1))
+    assert graph.num_breaks == 2
+
+
+def test_leak_check_off_by_default(fake):
+    kept = []
+
+    @eager_on_graph
+    def leaky():
+        kept.append(fake.allocate(16, "leaky_site.py"))
+
+    with BreakableCUDAGraphCapture(BreakableCUDAGraph()):
+        leaky()
+    assert not fake.recording_allocations

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import bcg.graph.capture as capture_module
 from bcg.graph import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
@@ -18,6 +19,7 @@ from bcg.graph import (
     fork_stream,
     get_current_replay_token,
     get_current_stream,
+    mark_break_output,
 )
 
 pytestmark = pytest.mark.gpu
@@ -266,6 +268,40 @@ def test_a_stream_forked_through_an_event_and_left_unjoined_is_named():
     with pytest.raises(RuntimeError, match="could not end.*through an event"):
         capture(region)
     torch.cuda.synchronize()
+
+
+def test_leak_check_catches_a_break_that_keeps_memory_and_accepts_a_marked_one():
+    kept = []
+
+    @eager_on_graph
+    def leaky(x):
+        kept.append(x * 2)  # allocated in the break, alive after it, not returned
+
+    @eager_on_graph
+    def marked(x):
+        kept.append(x * 3)
+        mark_break_output(kept[-1])
+
+    x = torch.randn(1024, device="cuda")
+    with pytest.raises(RuntimeError, match="(?s)leaky leaked 1 CUDA allocation.*4096 bytes"):
+        with BreakableCUDAGraphCapture(BreakableCUDAGraph(), check_leaks=True):
+            leaky(x)
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph, check_leaks=True):
+        marked(x)
+    assert graph.num_breaks == 1
+
+
+def test_leak_check_refuses_when_history_is_already_recorded(monkeypatch):
+    monkeypatch.setattr(capture_module.backend, "recording_allocations", False)
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    try:
+        torch.empty(16, device="cuda")
+        with pytest.raises(RuntimeError, match="already being recorded"):
+            with BreakableCUDAGraphCapture(BreakableCUDAGraph(), check_leaks=True):
+                pass
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def test_decreasing_sizes_largest_first_in_one_pool_random_replay():

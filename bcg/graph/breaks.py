@@ -82,3 +82,11 @@ def fork_stream(side_stream: torch.cuda.Stream) -> torch.cuda.Stream:
     else:
         capture.fork(side_stream)
     return side_stream
+
+
+def mark_break_output(*tensors: torch.Tensor) -> None:
+    """Inside a break body: these tensors outlive the break on purpose (e.g. a cache it
+    fills), so the leak check (`check_leaks=True`) does not report them."""
+    capture = current_capture()
+    if capture is not None and capture.in_break:
+        capture.mark_outputs(tensors)

@@ -21,6 +21,8 @@ class CudaBackend:
     """The few CUDA calls a capture makes; tests substitute a fake to drive the protocol
     on a machine without a GPU."""
 
+    recording_allocations = False
+
     def new_segment(self) -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()
 
@@ -39,6 +41,30 @@ class CudaBackend:
     @property
     def stream_class(self) -> type:
         return torch.cuda.Stream
+
+    def start_recording_allocations(self) -> None:
+        """Record allocation stacks (for the leak report) from now on: refuse if someone
+        else already records them (our settings would replace theirs). Once started it
+        stays on for the process: stopping keeps the recorded stacks on live blocks, which
+        the next capture could not tell from someone else's recording."""
+        if self.recording_allocations:
+            return
+        snapshot = torch.cuda.memory._snapshot()
+        if any(snapshot.get("device_traces", [])) or any(
+                block.get("frames") for segment in snapshot["segments"]
+                for block in segment["blocks"]):
+            raise RuntimeError(
+                "check_leaks records CUDA allocation history, which is already being recorded "
+                "(torch.cuda.memory._record_memory_history): stop that recording first, or "
+                "capture without check_leaks")
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.recording_allocations = True
+
+    def live_blocks(self) -> dict[int, tuple[int, list]]:
+        """Allocated blocks: address -> (bytes, allocation stack frames)."""
+        return {block["address"]: (block["size"], block.get("frames", []))
+                for segment in torch.cuda.memory._snapshot()["segments"]
+                for block in segment["blocks"] if block["state"] == "active_allocated"}
 
 
 backend = CudaBackend()
@@ -109,6 +135,7 @@ class BreakableCUDAGraphCapture:
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
         barrier_fn: Callable[[], None] | None = None,
+        check_leaks: bool = False,
     ) -> None:
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(
@@ -126,7 +153,9 @@ class BreakableCUDAGraphCapture:
         self.stream = stream
         self.capture_error_mode = capture_error_mode
         self.barrier_fn = barrier_fn
+        self.check_leaks = check_leaks
         self.in_break = False
+        self._marked: list[torch.Tensor] = []  # mark_break_output() of the running break
         self._segment: Any = None
         self._side_streams: list[torch.cuda.Stream] = []
         self._fork_sites: list[str] = []  # where each side stream first forked
@@ -156,6 +185,8 @@ class BreakableCUDAGraphCapture:
             lambda: _current_capture.reset(capture_token),
         ]
         try:
+            if self.check_leaks:
+                backend.start_recording_allocations()
             self._begin_segment()
         except BaseException:
             self._unwind()
@@ -188,6 +219,29 @@ class BreakableCUDAGraphCapture:
             self._side_streams.append(side_stream)
             self._fork_sites.append(self._position())
 
+    def mark_outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self._marked.extend(tensors)
+
+    def _check_leaks(self, fn: Callable, before: dict, result: Any) -> None:
+        """Memory the break allocated that outlives it, is not part of its result and was
+        not marked: a replay would run with it freed or reused (the bug weak references
+        cause), so refuse it now with what allocated it."""
+        kept = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes())
+                for t in [*_tensors_in(result), *self._marked]]
+        leaked = {address: info for address, info in backend.live_blocks().items()
+                  if address not in before
+                  and not any(start <= address < end or address <= start < address + info[0]
+                              for start, end in kept)}
+        if leaked:
+            lines = [f"  {size} bytes at {address:#x}, allocated at:\n{_format_frames(frames)}"
+                     for address, (size, frames) in leaked.items()]
+            raise RuntimeError(
+                f"graph break {fn.__module__}.{fn.__qualname__} leaked {len(leaked)} CUDA "
+                f"allocation(s) that outlive it but are not in its result: a replay would "
+                f"read memory the pool may hand to others. Return them, write into a tensor "
+                f"allocated before the break, or mark_break_output() what the break keeps on "
+                f"purpose.\n" + "\n".join(lines))
+
     def _position(self) -> str:
         breaks = self.graph.num_breaks
         return f"segment {breaks}" + (f" (after break {breaks - 1})" if breaks else "")
@@ -197,11 +251,14 @@ class BreakableCUDAGraphCapture:
         self._end_segment()
         if self.barrier_fn is not None:
             self.barrier_fn()
-        self.in_break = True
+        before = backend.live_blocks() if self.check_leaks else None
+        self.in_break, self._marked = True, []
         try:
             result = (stub or fn)(*args, **kwargs)
         finally:
             self.in_break = False
+        if before is not None:
+            self._check_leaks(fn, before, result)
         self.graph._add_break(fn, args, kwargs, result)
         self._begin_segment()
         return result
@@ -261,3 +318,22 @@ def _end_and_check_empty(segment: Any) -> bool:
                 warning.message, warning.category, warning.filename, warning.lineno
             )
     return empty
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a break result: itself, or inside containers and objects."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    if hasattr(value, "__dict__"):
+        return [t for item in vars(value).values() for t in _tensors_in(item)]
+    return []
+
+
+def _format_frames(frames: list) -> str:
+    shown = [f"    {f.get('filename', '?')}:{f.get('line', '?')} {f.get('name', '?')}"
+             for f in frames if isinstance(f, dict) and "/torch/" not in f.get("filename", "")]
+    return "\n".join(shown[:8]) or "    (no stack recorded)"

@@ -156,7 +156,8 @@ class GraphRunner:
                 output = self.stack(input_ids, positions)
             return graph, output
         graph = BreakableCUDAGraph()
-        with BreakableCUDAGraphCapture(graph, pool=self.pool):
+        # Debug mode checks that no break leaks memory a replay would then read freed.
+        with BreakableCUDAGraphCapture(graph, pool=self.pool, check_leaks=self.mode == "debug"):
             if self.mode == "debug":
                 output = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
                                      device=self.device)
