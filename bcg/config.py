@@ -80,7 +80,9 @@ class EngineConfig:
         False,
         "capture every graph as a breakable graph whose one break runs the whole forward "
         "eagerly: the same static buffers, padding and replay path, but every op eager "
-        "(prints and breakpoints work); a bug that survives it is not in capture",
+        "(prints and breakpoints work); a bug that survives it is not in capture. Also checks "
+        "that no graph break leaks CUDA memory past itself (naming the break and the "
+        "allocation's stack)",
     )
     prefill_graph_tokens: str | None = _arg(
         None,

@@ -4,7 +4,10 @@ the breakable-capture protocol can be tested on a machine without a GPU."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
+
+import torch
 
 
 class FakeStream:
@@ -14,6 +17,9 @@ class FakeStream:
 
     def wait_stream(self, other: FakeStream) -> None:
         self.backend.log.append(f"{self.name}<-{other.name}")
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.name}>"
 
 
 class FakeSegment:
@@ -30,6 +36,8 @@ class FakeSegment:
     def capture_end(self) -> None:
         assert self.backend.recording is self
         self.backend.recording = None
+        if self.backend.unjoined_work:  # CUDA's error for a forked stream left unjoined
+            raise RuntimeError("operation failed due to a previous error during capture")
         self.backend.log.append("end")
         if not self.kernels:
             warnings.warn("The CUDA Graph is empty. This usually means ...", stacklevel=2)
@@ -55,12 +63,31 @@ class FakeStreamContext:
 
 
 class FakeBackend:
+    stream_class = FakeStream
+
     def __init__(self) -> None:
         self.log: list[str] = []
         self.recording: FakeSegment | None = None
         self.stream = FakeStream(self, "default")
         self.segments: list[FakeSegment] = []
         self.pools = 0
+        self.unjoined_work = False
+        self.recording_allocations = False
+        self.allocations: dict[int, tuple[weakref.ref, str]] = {}  # address: (tensor, site)
+
+    def allocate(self, numel: int, site: str) -> torch.Tensor:
+        """A tensor the fake allocator reports while it lives, allocated at `site`."""
+        tensor = torch.empty(numel)
+        self.allocations[tensor.data_ptr()] = (weakref.ref(tensor), site)
+        return tensor
+
+    def start_recording_allocations(self) -> None:
+        self.recording_allocations = True
+
+    def live_blocks(self) -> dict[int, tuple[int, list]]:
+        return {address: (ref().untyped_storage().nbytes(), [{"filename": site, "line": 1,
+                                                             "name": "alloc"}])
+                for address, (ref, site) in self.allocations.items() if ref() is not None}
 
     def launch(self, kernel: Callable[[], None]) -> None:
         """Record a kernel while capturing (not run, like CUDA), else run it now."""

@@ -23,6 +23,7 @@ from bcg.graph import (
     fork_stream,
     get_current_replay_token,
     is_in_breakable_cuda_graph,
+    mark_break_output,
 )
 from bcg.graph.context import _current_stream
 from tests.fake_cuda import FakeBackend, FakeStream
@@ -415,6 +416,24 @@ def test_misuse_errors(fake):
     assert graph.is_captured
 
 
+@pytest.mark.parametrize("make,name", [
+    (lambda: eager_on_graph(capture_stub="stub"), "capture_stub"),
+    (lambda: eager_on_graph("yes"), "enable"),
+    (lambda: eager_on_graph(enable=1), "enable"),
+    (lambda: BreakableCUDAGraphCapture(BreakableCUDAGraph(), barrier_fn="barrier"), "barrier_fn"),
+])
+def test_bad_arguments_are_refused_when_made_naming_them(make, name):
+    """Not at the first break, where a non-callable would fail as "'str' object is not
+    callable" deep inside a capture."""
+    with pytest.raises(TypeError, match=name):
+        make()
+
+
+def test_unknown_capture_error_mode_is_refused():
+    with pytest.raises(ValueError, match="capture_error_mode must be one of global"):
+        BreakableCUDAGraphCapture(BreakableCUDAGraph(), capture_error_mode="strict")
+
+
 def test_replay_token_is_new_per_replay_and_visible_in_break(fake):
     tokens = []
 
@@ -467,3 +486,81 @@ def test_capture_runs_on_its_stream_and_side_streams_are_joined(fake):
         "end",
         "default<-capture",
     ]
+
+
+def test_a_stream_forked_with_plain_wait_stream_is_joined_like_fork_stream(fake):
+    """How SGLang's and vLLM's model code forks (e.g. MoE shared experts): no fork_stream."""
+    side = FakeStream(fake, "side")
+    original = FakeStream.wait_stream
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        side.wait_stream(fake.current_stream())
+        fake.launch(lambda: None)
+        break_graph()
+        fake.launch(lambda: None)
+    log = [entry for entry in fake.log if "<-" in entry or entry == "end"]
+    assert log == ["capture<-default", "side<-capture", "capture<-side", "end",
+                   "side<-capture", "capture<-side", "end", "default<-capture"]
+    assert FakeStream.wait_stream is original  # the tracking is gone with the capture
+    side.wait_stream(fake.current_stream())  # outside a capture: a plain wait
+    assert fake.log[-1] == "side<-default"
+
+
+def test_a_segment_that_cannot_end_names_the_forked_streams_and_where(fake):
+    side = FakeStream(fake, "side")
+    graph = BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match=r"segment 1 .*could not end.*side.* forked in "
+                                           r"segment 1 \(after break 0\).*through an event"):
+        with BreakableCUDAGraphCapture(graph):
+            fake.launch(lambda: None)
+            break_graph()
+            side.wait_stream(fake.current_stream())
+            fake.unjoined_work = True
+    assert current_capture() is None and not graph.is_captured
+
+
+def test_leak_check_names_a_break_whose_allocation_outlives_it(fake):
+    kept = []
+
+    @eager_on_graph
+    def leaky(x):
+        kept.append(fake.allocate(16, "leaky_site.py"))  # kept alive, not returned
+
+    graph = BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match=r"(?s)break .*leaky leaked 1 CUDA allocation.*64 bytes"
+                                           r".*leaky_site.py"):
+        with BreakableCUDAGraphCapture(graph, check_leaks=True):
+            leaky(torch.zeros(1))
+    assert current_capture() is None and fake.recording_allocations
+
+
+def test_leak_check_accepts_results_marked_outputs_and_temporaries(fake):
+    kept = []
+
+    @eager_on_graph
+    def returns(x):
+        fake.allocate(8, "temporary.py")  # freed at once: not a leak
+        return fake.allocate(4, "result.py")
+
+    @eager_on_graph
+    def marks(x):
+        kept.append(fake.allocate(4, "cache.py"))
+        mark_break_output(kept[-1])
+
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph, check_leaks=True):
+        returns(torch.zeros(1))
+        marks(torch.zeros(1))
+    assert graph.num_breaks == 2
+
+
+def test_leak_check_off_by_default(fake):
+    kept = []
+
+    @eager_on_graph
+    def leaky():
+        kept.append(fake.allocate(16, "leaky_site.py"))
+
+    with BreakableCUDAGraphCapture(BreakableCUDAGraph()):
+        leaky()
+    assert not fake.recording_allocations

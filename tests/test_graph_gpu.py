@@ -8,6 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import bcg.graph.capture as capture_module
 from bcg.graph import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
@@ -18,6 +19,7 @@ from bcg.graph import (
     fork_stream,
     get_current_replay_token,
     get_current_stream,
+    mark_break_output,
 )
 
 pytestmark = pytest.mark.gpu
@@ -230,13 +232,16 @@ def test_exception_during_replay_names_the_break():
         graph.replay()
 
 
-def test_side_stream_forked_inside_a_segment():
+@pytest.mark.parametrize("fork", [fork_stream,
+                                  lambda side: side.wait_stream(torch.cuda.current_stream())],
+                         ids=["fork_stream", "plain wait_stream"])
+def test_side_stream_forked_inside_a_segment(fork):
     side = torch.cuda.Stream()
     x = torch.randn(256, 256, device="cuda")
     out_main, out_side = torch.empty_like(x), torch.empty_like(x)
 
     def region():
-        fork_stream(side)
+        fork(side)
         with torch.cuda.stream(side):
             out_side.copy_(x @ x)  # spans the break below
         shifted_softmax_into(x, out_main)
@@ -247,6 +252,56 @@ def test_side_stream_forked_inside_a_segment():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, torch.softmax(x, -1) + x @ x)
+
+
+def test_a_stream_forked_through_an_event_and_left_unjoined_is_named():
+    side = torch.cuda.Stream()
+    x = torch.randn(64, 64, device="cuda")
+
+    def region():
+        event = torch.cuda.current_stream().record_event()
+        side.wait_event(event)  # a fork bcg cannot see
+        with torch.cuda.stream(side):
+            x.mul_(2)
+        shifted_softmax_into(x, torch.empty_like(x))
+
+    with pytest.raises(RuntimeError, match="could not end.*through an event"):
+        capture(region)
+    torch.cuda.synchronize()
+
+
+def test_leak_check_catches_a_break_that_keeps_memory_and_accepts_a_marked_one():
+    kept = []
+
+    @eager_on_graph
+    def leaky(x):
+        kept.append(x * 2)  # allocated in the break, alive after it, not returned
+
+    @eager_on_graph
+    def marked(x):
+        kept.append(x * 3)
+        mark_break_output(kept[-1])
+
+    x = torch.randn(1024, device="cuda")
+    with pytest.raises(RuntimeError, match="(?s)leaky leaked 1 CUDA allocation.*4096 bytes"):
+        with BreakableCUDAGraphCapture(BreakableCUDAGraph(), check_leaks=True):
+            leaky(x)
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph, check_leaks=True):
+        marked(x)
+    assert graph.num_breaks == 1
+
+
+def test_leak_check_refuses_when_history_is_already_recorded(monkeypatch):
+    monkeypatch.setattr(capture_module.backend, "recording_allocations", False)
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    try:
+        torch.empty(16, device="cuda")
+        with pytest.raises(RuntimeError, match="already being recorded"):
+            with BreakableCUDAGraphCapture(BreakableCUDAGraph(), check_leaks=True):
+                pass
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def test_decreasing_sizes_largest_first_in_one_pool_random_replay():

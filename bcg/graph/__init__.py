@@ -3,7 +3,7 @@
 This layer depends on torch only and knows nothing about language models.
 """
 
-from bcg.graph.breaks import break_graph, eager_on_graph, fork_stream
+from bcg.graph.breaks import break_graph, eager_on_graph, fork_stream, mark_break_output
 from bcg.graph.bridge import BridgeBuffers, bridge_buffer, use_bridge_buffers
 from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
 from bcg.graph.capture import BreakableCUDAGraphCapture, current_capture
@@ -38,6 +38,7 @@ __all__ = [
     "get_current_replay_token",
     "get_current_stream",
     "is_in_breakable_cuda_graph",
+    "mark_break_output",
     "share_buffer",
     "use_bridge_buffers",
 ]

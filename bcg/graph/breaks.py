@@ -37,9 +37,15 @@ def eager_on_graph(fn_or_enable: Any = True, *, enable: bool | None = None, capt
     None, so nothing is copied. A returned result is written back into the capture-time
     result by `copy_output`.
     """
+    if capture_stub is not None and not callable(capture_stub):
+        raise TypeError(f"eager_on_graph: capture_stub must be callable or None, got "
+                        f"{type(capture_stub).__name__}")
     if callable(fn_or_enable):
         return _make_break(fn_or_enable, capture_stub)
-    enabled = bool(fn_or_enable) if enable is None else enable
+    enabled = fn_or_enable if enable is None else enable
+    if not isinstance(enabled, bool):
+        raise TypeError(f"eager_on_graph: enable must be a bool (or decorate a function), got "
+                        f"{type(enabled).__name__}")
 
     def decorate(fn: F) -> F:
         return _make_break(fn, capture_stub) if enabled else fn
@@ -76,3 +82,11 @@ def fork_stream(side_stream: torch.cuda.Stream) -> torch.cuda.Stream:
     else:
         capture.fork(side_stream)
     return side_stream
+
+
+def mark_break_output(*tensors: torch.Tensor) -> None:
+    """Inside a break body: these tensors outlive the break on purpose (e.g. a cache it
+    fills), so the leak check (`check_leaks=True`) does not report them."""
+    capture = current_capture()
+    if capture is not None and capture.in_break:
+        capture.mark_outputs(tensors)

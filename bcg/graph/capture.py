@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -13,11 +14,14 @@ from bcg.graph.context import _current_stream
 from bcg.graph.graph import BreakableCUDAGraph
 
 _EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")  # cudaStreamCaptureMode
 
 
 class CudaBackend:
     """The few CUDA calls a capture makes; tests substitute a fake to drive the protocol
     on a machine without a GPU."""
+
+    recording_allocations = False
 
     def new_segment(self) -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()
@@ -34,6 +38,34 @@ class CudaBackend:
     def stream_context(self, stream: torch.cuda.Stream) -> Any:
         return torch.cuda.stream(stream)
 
+    @property
+    def stream_class(self) -> type:
+        return torch.cuda.Stream
+
+    def start_recording_allocations(self) -> None:
+        """Record allocation stacks (for the leak report) from now on: refuse if someone
+        else already records them (our settings would replace theirs). Once started it
+        stays on for the process: stopping keeps the recorded stacks on live blocks, which
+        the next capture could not tell from someone else's recording."""
+        if self.recording_allocations:
+            return
+        snapshot = torch.cuda.memory._snapshot()
+        if any(snapshot.get("device_traces", [])) or any(
+                block.get("frames") for segment in snapshot["segments"]
+                for block in segment["blocks"]):
+            raise RuntimeError(
+                "check_leaks records CUDA allocation history, which is already being recorded "
+                "(torch.cuda.memory._record_memory_history): stop that recording first, or "
+                "capture without check_leaks")
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.recording_allocations = True
+
+    def live_blocks(self) -> dict[int, tuple[int, list]]:
+        """Allocated blocks: address -> (bytes, allocation stack frames)."""
+        return {block["address"]: (block["size"], block.get("frames", []))
+                for segment in torch.cuda.memory._snapshot()["segments"]
+                for block in segment["blocks"] if block["state"] == "active_allocated"}
+
 
 backend = CudaBackend()
 _current_capture: ContextVar[BreakableCUDAGraphCapture | None] = ContextVar(
@@ -44,6 +76,45 @@ _current_capture: ContextVar[BreakableCUDAGraphCapture | None] = ContextVar(
 def current_capture() -> BreakableCUDAGraphCapture | None:
     """The capture active in this thread/context, if any."""
     return _current_capture.get()
+
+
+class _WaitStreamTracker:
+    """While any capture is active, `Stream.wait_stream` also tells the capture of this
+    context when a stream forks from its capture stream (`side.wait_stream(capture)`, as
+    model code forks for overlapped work), so that stream is joined before each segment
+    ends like one from `fork_stream`. Installed on the stream class for the duration of
+    the captures (counted, so concurrent captures in other threads share it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._installed: tuple[type, Callable] | None = None
+
+    def install(self, stream_class: type) -> None:
+        with self._lock:
+            self._users += 1
+            if self._installed is None:
+                original = stream_class.wait_stream
+
+                def wait_stream(stream, other) -> None:
+                    original(stream, other)
+                    capture = _current_capture.get()
+                    if capture is not None and other == capture.stream and stream != other:
+                        capture.track_fork(stream)
+
+                stream_class.wait_stream = wait_stream
+                self._installed = (stream_class, original)
+
+    def uninstall(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._installed is not None:
+                stream_class, original = self._installed
+                stream_class.wait_stream = original
+                self._installed = None
+
+
+_wait_stream_tracker = _WaitStreamTracker()
 
 
 class BreakableCUDAGraphCapture:
@@ -64,20 +135,30 @@ class BreakableCUDAGraphCapture:
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
         barrier_fn: Callable[[], None] | None = None,
+        check_leaks: bool = False,
     ) -> None:
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(
                 f"BreakableCUDAGraphCapture needs a BreakableCUDAGraph, got "
                 f"{type(graph).__name__}; create one with BreakableCUDAGraph()"
             )
+        if barrier_fn is not None and not callable(barrier_fn):
+            raise TypeError(f"BreakableCUDAGraphCapture: barrier_fn must be callable or None, "
+                            f"got {type(barrier_fn).__name__}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(f"BreakableCUDAGraphCapture: capture_error_mode must be one of "
+                             f"{', '.join(CAPTURE_ERROR_MODES)}; got {capture_error_mode!r}")
         self.graph = graph
         self.pool = pool
         self.stream = stream
         self.capture_error_mode = capture_error_mode
         self.barrier_fn = barrier_fn
+        self.check_leaks = check_leaks
         self.in_break = False
+        self._marked: list[torch.Tensor] = []  # mark_break_output() of the running break
         self._segment: Any = None
         self._side_streams: list[torch.cuda.Stream] = []
+        self._fork_sites: list[str] = []  # where each side stream first forked
         self._restore: list[Callable[[], None]] = []
 
     def __enter__(self) -> BreakableCUDAGraphCapture:
@@ -95,13 +176,17 @@ class BreakableCUDAGraphCapture:
         stream_context.__enter__()
         capture_token = _current_capture.set(self)
         stream_token = _current_stream.set(self.stream)
+        _wait_stream_tracker.install(backend.stream_class)
         self._restore = [
+            _wait_stream_tracker.uninstall,
             lambda: caller_stream.wait_stream(self.stream),
             lambda: stream_context.__exit__(None, None, None),
             lambda: _current_stream.reset(stream_token),
             lambda: _current_capture.reset(capture_token),
         ]
         try:
+            if self.check_leaks:
+                backend.start_recording_allocations()
             self._begin_segment()
         except BaseException:
             self._unwind()
@@ -126,19 +211,54 @@ class BreakableCUDAGraphCapture:
         """Make `side_stream` part of the capture; it is joined before every segment ends
         and forked again when the next segment begins."""
         side_stream.wait_stream(self.stream)
+        self.track_fork(side_stream)
+
+    def track_fork(self, side_stream: torch.cuda.Stream) -> None:
+        """Record that `side_stream` forked from the capture stream (idempotent)."""
         if side_stream not in self._side_streams:
             self._side_streams.append(side_stream)
+            self._fork_sites.append(self._position())
+
+    def mark_outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self._marked.extend(tensors)
+
+    def _check_leaks(self, fn: Callable, before: dict, result: Any) -> None:
+        """Memory the break allocated that outlives it, is not part of its result and was
+        not marked: a replay would run with it freed or reused (the bug weak references
+        cause), so refuse it now with what allocated it."""
+        kept = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes())
+                for t in [*_tensors_in(result), *self._marked]]
+        leaked = {address: info for address, info in backend.live_blocks().items()
+                  if address not in before
+                  and not any(start <= address < end or address <= start < address + info[0]
+                              for start, end in kept)}
+        if leaked:
+            lines = [f"  {size} bytes at {address:#x}, allocated at:\n{_format_frames(frames)}"
+                     for address, (size, frames) in leaked.items()]
+            raise RuntimeError(
+                f"graph break {fn.__module__}.{fn.__qualname__} leaked {len(leaked)} CUDA "
+                f"allocation(s) that outlive it but are not in its result: a replay would "
+                f"read memory the pool may hand to others. Return them, write into a tensor "
+                f"allocated before the break, or mark_break_output() what the break keeps on "
+                f"purpose.\n" + "\n".join(lines))
+
+    def _position(self) -> str:
+        breaks = self.graph.num_breaks
+        return f"segment {breaks}" + (f" (after break {breaks - 1})" if breaks else "")
 
     def run_break(self, fn: Callable, args: tuple, kwargs: dict, stub: Callable | None) -> Any:
         """End the segment, run `fn` (or its capture stub) eagerly, record it, begin anew."""
         self._end_segment()
         if self.barrier_fn is not None:
             self.barrier_fn()
-        self.in_break = True
+        before = backend.live_blocks() if self.check_leaks else None
+        self.in_break, self._marked = True, []
         try:
             result = (stub or fn)(*args, **kwargs)
         finally:
             self.in_break = False
+        if before is not None:
+            self._check_leaks(fn, before, result)
         self.graph._add_break(fn, args, kwargs, result)
         self._begin_segment()
         return result
@@ -154,7 +274,20 @@ class BreakableCUDAGraphCapture:
         for side_stream in self._side_streams:
             self.stream.wait_stream(side_stream)
         segment, self._segment = self._segment, None
-        self.graph._add_segment(segment, empty=_end_and_check_empty(segment))
+        try:
+            empty = _end_and_check_empty(segment)
+        except RuntimeError as error:
+            raise RuntimeError(self._unjoined_message(error)) from error
+        self.graph._add_segment(segment, empty=empty)
+
+    def _unjoined_message(self, error: RuntimeError) -> str:
+        forks = "; ".join(f"{stream} forked in {site}" for stream, site
+                          in zip(self._side_streams, self._fork_sites, strict=True))
+        return (f"{self._position()} of the capture could not end: {error}. A stream forked "
+                f"from the capture stream must be joined back before a segment ends; bcg "
+                f"joins the ones forked with fork_stream() or wait_stream() "
+                f"({forks or 'none were'}), but not a fork through an event: join that "
+                f"stream yourself (capture_stream.wait_stream(side)) before the break")
 
     def _abort(self) -> None:
         segment, self._segment = self._segment, None
@@ -185,3 +318,22 @@ def _end_and_check_empty(segment: Any) -> bool:
                 warning.message, warning.category, warning.filename, warning.lineno
             )
     return empty
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a break result: itself, or inside containers and objects."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    if hasattr(value, "__dict__"):
+        return [t for item in vars(value).values() for t in _tensors_in(item)]
+    return []
+
+
+def _format_frames(frames: list) -> str:
+    shown = [f"    {f.get('filename', '?')}:{f.get('line', '?')} {f.get('name', '?')}"
+             for f in frames if isinstance(f, dict) and "/torch/" not in f.get("filename", "")]
+    return "\n".join(shown[:8]) or "    (no stack recorded)"

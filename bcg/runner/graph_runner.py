@@ -196,7 +196,9 @@ class GraphRunner:
                         graph.capture_end()
                 return CapturedStack(graph, output, context)
             graph = BreakableCUDAGraph()
-            with BreakableCUDAGraphCapture(graph, pool=self.pool, stream=self.stream):
+            # Debug mode checks that no break leaks memory a replay would then read freed.
+            with BreakableCUDAGraphCapture(graph, pool=self.pool, stream=self.stream,
+                                           check_leaks=self.mode == "debug"):
                 if self.mode == "debug":
                     output = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
                                          device=self.device)
