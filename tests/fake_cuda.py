@@ -72,6 +72,7 @@ class FakeBackend:
         self.segments: list[FakeSegment] = []
         self.pools = 0
         self.unjoined_work = False
+        self.generators_reset = 0
         self.recording_allocations = False
         self.allocations: dict[int, tuple[weakref.ref, str]] = {}  # address: (tensor, site)
 
@@ -112,3 +113,6 @@ class FakeBackend:
 
     def stream_context(self, stream: FakeStream) -> FakeStreamContext:
         return FakeStreamContext(self, stream)
+
+    def reset_generators(self) -> None:
+        self.generators_reset += 1

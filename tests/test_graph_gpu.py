@@ -268,6 +268,7 @@ def test_a_stream_forked_through_an_event_and_left_unjoined_is_named():
     with pytest.raises(RuntimeError, match="could not end.*through an event"):
         capture(region)
     torch.cuda.synchronize()
+    torch.randn(4, device="cuda")  # the failed capture left the generators usable
 
 
 def test_leak_check_catches_a_break_that_keeps_memory_and_accepts_a_marked_one():

@@ -38,6 +38,16 @@ class CudaBackend:
     def stream_context(self, stream: torch.cuda.Stream) -> Any:
         return torch.cuda.stream(stream)
 
+    def reset_generators(self) -> None:
+        """A capture that fails at its end leaves torch's CUDA generators marked as capturing,
+        so every later random op in the process raises; a capture that ends cleanly unmarks
+        them."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(torch.cuda.Stream()), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _EMPTY_GRAPH_WARNING)
+            graph.capture_begin()
+            graph.capture_end()
+
     @property
     def stream_class(self) -> type:
         return torch.cuda.Stream
@@ -277,13 +287,14 @@ class BreakableCUDAGraphCapture:
         try:
             empty = _end_and_check_empty(segment)
         except RuntimeError as error:
+            backend.reset_generators()
             raise RuntimeError(self._unjoined_message(error)) from error
         self.graph._add_segment(segment, empty=empty)
 
     def _unjoined_message(self, error: RuntimeError) -> str:
         forks = "; ".join(f"{stream} forked in {site}" for stream, site
                           in zip(self._side_streams, self._fork_sites, strict=True))
-        return (f"{self._position()} of the capture could not end: {error}. A stream forked "
+        return (f"{self._position()} of the capture could not end ({str(error).splitlines()[0]}). A stream forked "
                 f"from the capture stream must be joined back before a segment ends; bcg "
                 f"joins the ones forked with fork_stream() or wait_stream() "
                 f"({forks or 'none were'}), but not a fork through an event: join that "
