@@ -63,7 +63,8 @@ def run_config(code: Path, model: str, layers: int | None, max_tokens: int) -> d
     env = {**os.environ, "PYTHONPATH": f"{code}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     args = [sys.executable, "-c", WORKER, model, str(layers), str(max_tokens),
             str(GPU_MEMORY_UTILIZATION)]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    # cwd too: `python -c` puts the working directory first on sys.path.
+    done = subprocess.run(args, env=env, cwd=code, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{model} ({layers} layers, {max_tokens} tokens) failed:\n"
