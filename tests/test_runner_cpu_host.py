@@ -66,6 +66,7 @@ def test_the_default_cache_is_at_most_4_gib(monkeypatch):
     r = ModelRunner.__new__(ModelRunner)
     r.device, r.dtype, r.block_size = torch.device("cpu"), torch.float32, BLOCK
     r.model_config = ModelConfig.from_hf_dict(PRESETS["qwen3-0.6b"])
+    r.num_kv_heads = r.model_config.num_key_value_heads
     blocks = r._num_kv_blocks(EngineConfig(device="cpu"), 40960, 0)
     assert blocks * r._kv_block_bytes() <= 4 * 2**30 < 40960 // BLOCK * r._kv_block_bytes()
     assert blocks * r._kv_block_bytes() > 3.99 * 2**30

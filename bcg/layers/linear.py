@@ -1,4 +1,12 @@
-"""Linear projections; a merged one runs several projections of one input as one matmul."""
+"""Linear projections, split across tensor-parallel ranks.
+
+`ColumnParallelLinear` splits its outputs: each rank computes its part of every output
+block (its heads of q, k and v, its slice of gate and up), and nothing is exchanged.
+`RowParallelLinear` splits its inputs: each rank multiplies its slice and the partial
+results are summed across ranks (one all-reduce). A merged projection (q|k|v, gate|up)
+runs several checkpoint projections as one matmul; checkpoints hold them separately, so
+weights load block by block, each rank narrowing the full tensor to its part.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +14,85 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bcg.distributed.parallel_state import tensor_parallel
+
+
+def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
+                         f"{tuple(target.shape)}: does the config match the checkpoint?")
+    target.copy_(loaded)
+
 
 class Linear(nn.Module):
-    """`y = x W^T + b`, with `W` the concatenation of `output_sizes` row blocks (shards).
+    """`y = x W^T + b` over this rank's weight; `output_sizes` are the full (unsplit) blocks."""
 
-    Merging q|k|v or gate|up into one weight saves kernel launches; checkpoints still hold
-    the shards separately, so weights load shard by shard through `shard`.
-    """
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, local_input: int, local_outputs: list[int], output_sizes: list[int],
+                 bias: bool) -> None:
         super().__init__()
         self.output_sizes = output_sizes
-        self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(sum(output_sizes)), requires_grad=False) if bias else None
-        )
+        self.local_outputs = local_outputs
+        self.weight = nn.Parameter(torch.empty(sum(local_outputs), local_input),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(sum(local_outputs)), requires_grad=False)
+                     if bias else None)
+
+
+class ColumnParallelLinear(Linear):
+    """Block i of `output_sizes` is cut into `parts[i]` equal parts (default: one per rank);
+    rank r holds part `r * parts[i] // tp`. Fewer parts than ranks replicate a part (k and
+    v when there are fewer KV heads than ranks)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 parts: list[int] | None = None) -> None:
+        tp = tensor_parallel()
+        self.parts = parts or [tp.size] * len(output_sizes)
+        for size, count in zip(output_sizes, self.parts, strict=True):
+            if size % count or (tp.size % count and count % tp.size):
+                raise ValueError(f"an output block of {size} cannot be split in {count} parts "
+                                 f"over {tp.size} tensor-parallel ranks")
+        local = [size // count for size, count in zip(output_sizes, self.parts, strict=True)]
+        super().__init__(input_size, local, output_sizes, bias)
+        self.rank, self.tp_size = tp.rank, tp.size
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`x` `[T, input_size]` -> `[T, sum(output_sizes)]`, written into `out` if given."""
+        """`x` `[T, input_size]` -> this rank's `[T, sum(local outputs)]`, into `out` if given."""
         if out is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
-    def shard(self, param_name: str, index: int) -> torch.Tensor:
-        """Row block `index` of `weight` or `bias` (a view to load into)."""
-        start = sum(self.output_sizes[:index])
-        return getattr(self, param_name).data[start : start + self.output_sizes[index]]
+    def load_weight(self, name: str, loaded: torch.Tensor, block: int = 0) -> None:
+        """Copy this rank's part of checkpoint tensor `name` (output block `block`)."""
+        param_name = name.rpartition(".")[2]
+        length = self.local_outputs[block]
+        part = self.rank * self.parts[block] // self.tp_size
+        start = sum(self.local_outputs[:block])
+        target = getattr(self, param_name).data[start : start + length]
+        if loaded.shape[0] == self.output_sizes[block]:
+            loaded = loaded.narrow(0, part * length, length)
+        copy_checked(name, target, loaded)
+
+
+class RowParallelLinear(Linear):
+    """Each rank multiplies its slice of the inputs; the ranks' results are summed."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = tensor_parallel()
+        start, local_input = tp.shard(input_size, "a row-parallel projection's input")
+        super().__init__(local_input, [output_size], [output_size], bias)
+        self.tp, self.input_start = tp, start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `[T, local input]` -> `[T, output_size]`, the same on every rank."""
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, name: str, loaded: torch.Tensor) -> None:
+        """Copy this rank's input columns of checkpoint tensor `name` (a bias whole)."""
+        param_name = name.rpartition(".")[2]
+        local = self.weight.shape[1]
+        if param_name == "weight" and loaded.dim() == 2 and loaded.shape[1] == local * self.tp.size:
+            loaded = loaded.narrow(1, self.input_start, local)
+        copy_checked(name, getattr(self, param_name).data, loaded)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from bcg.layers.linear import Linear
+from bcg.layers.linear import Linear, copy_checked
 from bcg.models.config import ModelConfig
 
 
@@ -59,15 +59,20 @@ class CausalLM(nn.Module, ABC):
             )
 
     def _load_one(self, name: str, tensor: torch.Tensor, modules: dict, params: dict):
+        """Load one checkpoint tensor (each parallel layer takes its rank's part)."""
         module_path, _, param_name = name.rpartition(".")
         prefix, _, leaf = module_path.rpartition(".")
         if leaf in self.packed_modules:
-            merged, shard = self.packed_modules[leaf]
-            _copy_checked(name, modules[f"{prefix}.{merged}"].shard(param_name, shard), tensor)
-            return (f"{prefix}.{merged}.{param_name}", shard)
+            merged, block = self.packed_modules[leaf]
+            modules[f"{prefix}.{merged}"].load_weight(name, tensor, block)
+            return (f"{prefix}.{merged}.{param_name}", block)
         if name not in params:
             raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-        _copy_checked(name, params[name], tensor)
+        module = modules[module_path]
+        if hasattr(module, "load_weight"):
+            module.load_weight(name, tensor)
+        else:
+            copy_checked(name, params[name], tensor)
         return (name, None)
 
     def _expected_weight_keys(self, modules: dict, params: dict) -> set:
@@ -81,10 +86,3 @@ class CausalLM(nn.Module, ABC):
             else:
                 keys.add((name, None))
         return keys
-
-
-def _copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
-    if target.shape != loaded.shape:
-        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
-                         f"{tuple(target.shape)}: does the config match the checkpoint?")
-    target.copy_(loaded)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bcg.distributed.parallel_state import tensor_parallel
 from bcg.graph import bridge_buffer
 from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention import Attention
 from bcg.layers.embedding import Embedding, LMHead
-from bcg.layers.linear import Linear
+from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.norm import RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
 from bcg.models.base import CausalLM
@@ -26,13 +27,16 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = tensor_parallel()
+        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")[1]
+        self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
         self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, [config.hidden_size], bias=config.attention_bias)
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        kv_parts = min(tp.size, config.num_key_value_heads)  # fewer KV heads: replicated
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size],
+                                             bias=qkv_bias, parts=[tp.size, kv_parts, kv_parts])
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.qk_norms = (self.q_norm, self.k_norm) if qk_norm else None
@@ -44,7 +48,7 @@ class LlamaAttention(nn.Module):
         shape = (hidden_states.shape[0], self.qkv_proj.weight.shape[0])
         qkv = self.qkv_proj(hidden_states, out=bridge_buffer("qkv", shape, hidden_states.dtype,
                                                               hidden_states.device))
-        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = qkv.split(self.qkv_proj.local_outputs, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -57,8 +61,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
-        self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size],
+                                                 bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from bcg.config import EngineConfig
+from bcg.distributed.parallel_state import tensor_parallel
 from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
 from bcg.layers.attention_backend import attention_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
@@ -52,8 +53,11 @@ class ModelRunner:
         with startup_step(f"weights ({config.load_format})"):
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
-        self.attention = attention_backend(self.device, c.num_attention_heads,
-                                           c.num_key_value_heads, c.head_dim)
+        tp = tensor_parallel()  # this rank's heads
+        self.num_heads = tp.shard(c.num_attention_heads, "num_attention_heads")[1]
+        self.num_kv_heads = tp.kv_heads(c.num_key_value_heads)
+        self.attention = attention_backend(self.device, self.num_heads, self.num_kv_heads,
+                                           c.head_dim)
         self.sampler = Sampler()
         self.sampling = SamplingContext(self.device, c.vocab_size, tuple(eos_token_ids))
         self.forward_counts: Counter[str] = Counter()
@@ -206,7 +210,7 @@ class ModelRunner:
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:
         c = self.model_config
-        return KVCache(c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads,
+        return KVCache(c.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
                        c.head_dim, self.dtype, self.device)
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, reserved_bytes: int) -> int:
@@ -228,7 +232,7 @@ class ModelRunner:
     def _kv_block_bytes(self) -> int:
         c = self.model_config
         return KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
-                                       c.num_key_value_heads, c.head_dim, self.dtype)
+                                       self.num_kv_heads, c.head_dim, self.dtype)
 
     def _kv_short_hint(self) -> str:
         """How to get a larger cache, for the error when it cannot hold max_model_len."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the process group and the collectives the parallel layers use."""

@@ -1,0 +1,67 @@
+"""Tensor parallelism on the CPU with gloo: a model split over 2 (or 4) processes gives the
+logits of the unsplit model (fp32), for Llama (tied head, vocabulary padded), Qwen2
+(biases) and Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated)."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from bcg.distributed.parallel_state import (
+    TensorParallel,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
+from tests.hf_tiny import VOCAB, PagedHarness, save_tiny_model
+from tests.numerics import relative_error
+from tests.server_process import free_port
+
+PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 9))]
+TOLERANCE = 1e-5
+
+
+def step_logits(folder) -> list[torch.Tensor]:
+    """Prefill every prompt, then one decode step of each: the logits of every row."""
+    harness = PagedHarness(folder)
+    seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
+    prefill = harness.step(seqs, [len(p) for p in PROMPTS])
+    for seq, rows in zip(seqs, prefill, strict=True):
+        seq.append_token(int(rows[-1].argmax()))
+    return prefill + harness.step(seqs, [1] * len(seqs))
+
+
+def rank_main(rank: int, size: int, port: int, folder, out_path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(size))
+    torch.set_num_threads(1)
+    init_tensor_parallel(size, "gloo")
+    try:
+        logits = step_logits(folder)
+        if rank == 0:
+            torch.save(logits, out_path)
+    finally:
+        destroy_tensor_parallel()
+
+
+@pytest.mark.parametrize("arch,size,overrides", [
+    ("llama", 2, {"vocab_size": VOCAB + 1}),  # 161 rows: the last rank's slice is padded
+    ("qwen2", 2, {}),
+    ("qwen3", 2, {}),
+    ("qwen3", 4, {}),  # 4 heads, 2 KV heads: each KV head on two ranks
+])
+def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides):
+    save_tiny_model(arch, tmp_path, **overrides)
+    expected = step_logits(tmp_path)
+    out_path = tmp_path / "rank0.pt"
+    mp.spawn(rank_main, args=(size, free_port(), tmp_path, out_path), nprocs=size, join=True)
+    for ours, ref in zip(torch.load(out_path), expected, strict=True):
+        assert relative_error(ours, ref) <= TOLERANCE
+
+
+def test_bad_sizes_are_clear_errors():
+    with pytest.raises(ValueError, match="num_attention_heads .* not divisible by .* 3"):
+        TensorParallel(0, 3).shard(4, "num_attention_heads")
+    with pytest.raises(ValueError, match="3 KV heads cannot be replicated evenly over 4"):
+        TensorParallel(0, 4).kv_heads(3)
+    assert TensorParallel(1, 4).kv_heads(2) == 1 and TensorParallel(1, 2).kv_heads(8) == 4
