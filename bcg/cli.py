@@ -43,14 +43,14 @@ def _add_dataclass_args(group, cls: type) -> None:
     """One flag per field of the dataclass `cls`, documented by the field's `help`."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        flag = _flag(field.name)
         meta = field.metadata
+        flags = (_flag(field.name), *meta.get("aliases", ()))
         help_text = meta["help"].replace("%", "%%")  # argparse %-formats help
         if hints[field.name] is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                               help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction,
+                               default=field.default, help=help_text)
             continue
-        group.add_argument(flag, type=_value_type(hints[field.name]), default=field.default,
+        group.add_argument(*flags, type=_value_type(hints[field.name]), default=field.default,
                            choices=meta.get("choices"), help=help_text + _default_note(field))
 
 

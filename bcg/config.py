@@ -41,6 +41,12 @@ class EngineConfig:
         choices=("auto", *DTYPES, *DTYPE_ALIASES),
     )
     device: str = _arg("auto", "cuda, cuda:N or cpu; auto: cuda when available")
+    tensor_parallel_size: int = _arg(
+        1, "split the model over this many processes, one per GPU (cuda:0 to cuda:N-1 of the "
+        "visible ones; on the CPU, gloo processes), rank 0 scheduling and the others following "
+        "it; under torchrun one process per rank, each on cuda:LOCAL_RANK",
+        aliases=("-tp",),
+    )
     seed: int = _arg(0, "seed of dummy weights and of requests without their own seed")
     max_model_len: int | None = _arg(
         None, "longest sequence (prompt + output) in tokens; default: the model's context "
@@ -109,6 +115,12 @@ class EngineConfig:
         if self.enforce_eager:
             self.prefill_graph = self.decode_graph = "none"
         require(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
+        require(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        require(self.tensor_parallel_size == 1 or not self.device.startswith("cuda:"),
+                f"device {self.device!r} names one GPU, but tensor_parallel_size="
+                f"{self.tensor_parallel_size} takes one per rank (cuda:LOCAL_RANK): pass "
+                "--device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES")
         require(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")

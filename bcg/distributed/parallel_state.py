@@ -4,11 +4,18 @@ One process per device; `init_tensor_parallel` joins the group with torch.distri
 env-style initialisation (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), so the same code
 starts under `torchrun` or from the engine's own launcher: NCCL on GPUs, gloo on the CPU
 (so tests of several ranks run anywhere). Layers read the group when they are built.
+
+Besides the device group every rank joins a gloo group on the CPU (`cpu_group`): rank 0
+broadcasts each step's batch through it, and the start-up agreements (the KV cache size, the
+barriers between graph breaks) run on it without touching the device's streams. Its timeout
+is long because a worker waits in it while the engine is idle.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,6 +27,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # the torch.distributed group; None for a single process
+    cpu_group: Any = None  # a gloo group of the same ranks, for host-side messages
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `total` items of `what`."""
@@ -45,6 +53,19 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (on the CPU group)."""
+        if self.size == 1:
+            return value
+        smallest = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(smallest.item())
+
+    def barrier(self) -> None:
+        """Wait until every rank got here (on the CPU group: no device stream is touched)."""
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` side by side along the last dimension, in rank order."""
         if self.size == 1:
@@ -61,19 +82,40 @@ def tensor_parallel() -> TensorParallel:
     return _current
 
 
-def init_tensor_parallel(size: int, backend: str) -> TensorParallel:
-    """Join the process group of `size` ranks (env-style) and make it current."""
+# A worker waits in the CPU group for the next step as long as the engine is idle.
+CPU_GROUP_TIMEOUT = timedelta(days=365)
+
+
+def init_tensor_parallel(size: int, backend: str, init_method: str = "env://",
+                         rank: int | None = None) -> TensorParallel:
+    """Join the process group of `size` ranks and make it current: env-style by default
+    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or at `init_method` as `rank`."""
     global _current
     if size == 1:
         _current = TensorParallel()
         return _current
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://")
+        ranks = {} if rank is None else {"rank": rank, "world_size": size}
+        dist.init_process_group(backend, init_method=init_method, **ranks)
     if dist.get_world_size() != size:
         raise ValueError(f"tensor_parallel_size={size} but the process group has "
                          f"{dist.get_world_size()} ranks (WORLD_SIZE): start one process per rank")
-    _current = TensorParallel(dist.get_rank(), size, dist.group.WORLD)
+    cpu_group = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
+    _current = TensorParallel(dist.get_rank(), size, dist.group.WORLD, cpu_group)
     return _current
+
+
+def launched_rank() -> int | None:
+    """This process's RANK when a launcher (torchrun) started it as one of several ranks,
+    else None."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return int(os.environ["RANK"])
+
+
+def local_rank() -> int:
+    """This process's rank on its host (LOCAL_RANK, set by torchrun): its device index."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def destroy_tensor_parallel() -> None:

@@ -25,6 +25,11 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    def close(self) -> None:
+        """End the engine's tensor-parallel workers (also done when the `LLM` is collected
+        or the process exits)."""
+        self.engine.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Sized
 from dataclasses import dataclass
 
@@ -18,14 +19,18 @@ import jinja2
 import torch
 
 from bcg.config import EngineConfig, is_int, require
+from bcg.distributed import worker
+from bcg.distributed.parallel_state import launched_rank
+from bcg.distributed.workers import Workers, check_tensor_parallel_size
 from bcg.engine.block_manager import BlockManager
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
-from bcg.loader.model_source import resolve_model
+from bcg.loader.model_source import ModelSource, resolve_model
 from bcg.loader.tokenizer import load_tokenizer
+from bcg.models.config import ModelConfig
 from bcg.runner.graph_verify import verify_graphs
 from bcg.runner.model_runner import ModelRunner
 from bcg.timing import startup_step
@@ -67,26 +72,63 @@ class _Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token
 
 
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    limit = model.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    require(config.max_model_len <= limit,
+            f"max_model_len={config.max_model_len} exceeds the model's context length {limit}")
+    return config.max_model_len
+
+
+def start_runner(config: EngineConfig, source: ModelSource | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> ModelRunner:
+    """This rank's runner: weights, graphs, KV cache, then --verify-graphs. Every
+    tensor-parallel rank builds its own this way, so their start-up collectives meet."""
+    if source is None:
+        source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")
+    torch.manual_seed(config.seed)
+    runner = ModelRunner(config, source, resolve_max_model_len(config, source.config),
+                         eos_token_ids)
+    if config.verify_graphs and runner.graph_runners:
+        with startup_step("--verify-graphs"):
+            verify_graphs(runner)
+    return runner
+
+
 class LLMEngine:
+    """Rank 0 of `config.tensor_parallel_size` ranks: the scheduler, the tokenizer and the
+    API live here; the other ranks (spawned here, or started by torchrun) follow its steps.
+    `close()` (or the engine's collection, or the process's exit) ends them."""
+
     def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size > 1 and (launched_rank() or 0) > 0:
+            # torchrun started this process as a worker rank: follow rank 0, then leave.
+            worker.serve_steps(config)
+            raise SystemExit(0)
         self.config = config
         start = time.perf_counter()
         source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")
         self.model_config = source.config
-        self.max_model_len = self._max_model_len(config)
+        self.max_model_len = resolve_max_model_len(config, source.config)
+        check_tensor_parallel_size(config, source.config)
         self.tokenizer = load_tokenizer(source, config.tokenizer)
         # Looked up (or refused) once at start-up, not per request.
         self._decoder = fast_backend(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(source.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, source, self.max_model_len,
-                                  tuple(sorted(self.eos_token_ids)))
+        self._workers = workers = Workers(config)
+        try:
+            with workers.failures_named():
+                self.runner = start_runner(workers.config, source,
+                                           tuple(sorted(self.eos_token_ids)))
+        except BaseException:
+            workers.close()
+            raise
+        workers.runner = self.runner
+        self._close = weakref.finalize(self, workers.close)
         self.max_model_len = self.runner.max_model_len  # lowered if the KV cache is smaller
-        if config.verify_graphs and self.runner.graph_runners:
-            with startup_step("--verify-graphs"):
-                verify_graphs(self.runner)
         block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -182,7 +224,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        result = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        with self._workers.failures_named():
+            result = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
         self._count(scheduled, time.perf_counter() - start)
         for index, (position, scored) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(scheduled.seqs[index], position, scored)
@@ -196,6 +239,11 @@ class LLMEngine:
             if seq.is_finished:
                 del self._requests[seq.request_id]
         return outputs
+
+    def close(self) -> None:
+        """End the tensor-parallel workers and leave their group (also done when the engine
+        is collected or the process exits); the engine cannot step afterwards."""
+        self._close()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids: text is encoded, token ids are checked and copied."""
@@ -307,12 +355,3 @@ class LLMEngine:
             self.stats.prefill_seconds += seconds
         else:
             self.stats.decode_seconds += seconds
-
-    def _max_model_len(self, config: EngineConfig) -> int:
-        limit = self.model_config.max_position_embeddings
-        if config.max_model_len is None:
-            return limit
-        require(config.max_model_len <= limit,
-                f"max_model_len={config.max_model_len} exceeds the model's context length {limit}")
-        return config.max_model_len
-

@@ -86,6 +86,51 @@ def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_
                 device: torch.device, store_kv: bool = True) -> ForwardBatch:
     """The next `num_new_tokens` of each sequence as one batch on `device`. With `store_kv`
     False every cache slot is -1: attention reads the cache but writes nothing to it."""
+    return build_host_batch(seqs, num_new_tokens, block_size, store_kv).upload(device)
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A step's batch on the host: two flat arrays (int64 and int32 fields, each field
+    16-byte aligned) and its sizes. `upload` makes the `ForwardBatch`; tensor-parallel
+    workers receive these arrays' bytes from rank 0 and upload them themselves."""
+
+    longs: array  # 'q': input_ids | positions | slot_mapping | sample_indices
+    ints: array  # 'i': cu_seqlens_q | seq_lens | block_tables
+    num_tokens: int
+    num_seqs: int
+    num_samples: int
+    max_blocks: int
+    max_seqlen_q: int
+    max_seq_len: int
+
+    def sizes(self) -> list[int]:
+        return [self.num_tokens, self.num_seqs, self.num_samples, self.max_blocks,
+                self.max_seqlen_q, self.max_seq_len]
+
+    def upload(self, device: torch.device) -> ForwardBatch:
+        tokens, seqs = self.num_tokens, self.num_seqs
+        longs = _upload(self.longs, [tokens, tokens, tokens, self.num_samples], torch.int64,
+                        device)
+        ints = _upload(self.ints, [seqs + 1, seqs, seqs * self.max_blocks], torch.int32, device)
+        return ForwardBatch(
+            input_ids=longs[0],
+            positions=longs[1],
+            slot_mapping=longs[2],
+            sample_indices=longs[3],
+            cu_seqlens_q=ints[0],
+            seq_lens=ints[1],
+            block_tables=ints[2].view(seqs, self.max_blocks),
+            num_tokens=tokens,
+            num_seqs=seqs,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seq_len=self.max_seq_len,
+        )
+
+
+def build_host_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_size: int,
+                     store_kv: bool = True) -> HostBatch:
+    """`build_batch`'s host half: the fields as flat arrays, ready to upload or to send."""
     # Built in `array`s and sent as two buffers (int64, int32): Python lists and one tensor
     # per field cost milliseconds per step at hundreds of sequences.
     input_ids, positions, slots, sample_indices = (array("q") for _ in range(4))
@@ -108,36 +153,41 @@ def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_
         block_tables.extend(padding[: max_blocks - len(seq.block_table)])
     if not store_kv:
         slots = array("q", [-1]) * len(input_ids)
-    longs = _upload([input_ids, positions, slots, sample_indices], torch.int64, device)
-    ints = _upload([cu_seqlens_q, seq_lens, block_tables], torch.int32, device)
-    return ForwardBatch(
-        input_ids=longs[0],
-        positions=longs[1],
-        slot_mapping=longs[2],
-        sample_indices=longs[3],
-        cu_seqlens_q=ints[0],
-        seq_lens=ints[1],
-        block_tables=ints[2].view(len(seqs), max_blocks),
+    return HostBatch(
+        longs=_aligned([input_ids, positions, slots, sample_indices]),
+        ints=_aligned([cu_seqlens_q, seq_lens, block_tables]),
         num_tokens=len(input_ids),
         num_seqs=len(seqs),
+        num_samples=len(sample_indices),
+        max_blocks=max_blocks,
         max_seqlen_q=max(num_new_tokens, default=1),
         max_seq_len=max(seq_lens, default=0),
     )
 
 
-def _upload(parts: list[array], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """`parts` (one typecode, matching `dtype`) as device tensors: one host buffer, one copy,
-    views into it. Each view starts 16-byte aligned: kernels specialise on pointer alignment,
-    and a misaligned one misses the launch cache (a compile, then a slow launch every step)."""
+def _aligned(parts: list[array]) -> array:
+    """`parts` (one typecode) end to end, each starting 16-byte aligned: kernels specialise
+    on pointer alignment, and a misaligned one misses the launch cache (a compile, then a
+    slow launch every step)."""
     flat = array(parts[0].typecode)
     align = ALIGN_BYTES // flat.itemsize
-    offsets = []
     for part in parts:
-        offsets.append(len(flat))
         flat.extend(part)
         flat.extend(array(flat.typecode, [0]) * (-len(flat) % align))
+    return flat
+
+
+def _upload(flat: array, lengths: list[int], dtype: torch.dtype,
+            device: torch.device) -> list[torch.Tensor]:
+    """`flat` (as `_aligned` laid it out: parts of `lengths`) on `device`: one host buffer,
+    one copy, a view per part."""
     host = torch.frombuffer(flat, dtype=dtype) if flat else torch.empty(0, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()
     on_device = host.to(device, non_blocking=True)
-    return [on_device[o : o + len(p)] for o, p in zip(offsets, parts, strict=True)]
+    align = ALIGN_BYTES // flat.itemsize
+    views, offset = [], 0
+    for length in lengths:
+        views.append(on_device[offset : offset + length])
+        offset += length + (-(offset + length) % align)
+    return views

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bcg.distributed.parallel_state import tensor_parallel
 from bcg.forward import ForwardBatch, ForwardContext, set_forward_context
 from bcg.graph import (
     BreakableCUDAGraph,
@@ -105,6 +106,10 @@ class GraphRunner:
         self.stream = torch.cuda.Stream(self.device)  # one capture stream for every bucket
         self.bridges = BridgeBuffers()  # what crosses a break, shared by every layer
         self._warmed: set[int] = set()  # sizes whose warm-up ran
+        # Tensor-parallel ranks capture the same buckets in the same order, and meet at every
+        # graph break, so no rank's capture runs ahead of the collectives of another's.
+        tp = tensor_parallel()
+        self.barrier_fn = tp.barrier if tp.size > 1 else None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
@@ -198,6 +203,7 @@ class GraphRunner:
             graph = BreakableCUDAGraph()
             # Debug mode checks that no break leaks memory a replay would then read freed.
             with BreakableCUDAGraphCapture(graph, pool=self.pool, stream=self.stream,
+                                           barrier_fn=self.barrier_fn,
                                            check_leaks=self.mode == "debug"):
                 if self.mode == "debug":
                     output = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype,

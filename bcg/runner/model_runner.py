@@ -3,13 +3,19 @@
 One step is `prepare` (scheduled sequences -> ForwardBatch), `forward` (the transformer
 stack under the forward context; graph runners replace this part), then the head on the
 rows to sample and the sampler. The runner knows sequences only through `ScheduledSequence`.
+
+Under tensor parallelism every rank holds a runner over its part of the model. Rank 0's
+`execute` sends the step's plan (`StepPlan`) to the other ranks, whose `run_plan` runs the
+same forward and head (the KV cache is written on every rank); only rank 0 samples.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +27,20 @@ from bcg.layers.attention_backend import attention_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
-from bcg.runner.batch import ScheduledSequence, SyntheticSequence, build_batch, samples_this_step
+from bcg.distributed.step_channel import StepChannel
+from bcg.runner.batch import (
+    ScheduledSequence,
+    SyntheticSequence,
+    build_batch,
+    build_host_batch,
+    samples_this_step,
+)
 from bcg.runner.decode_graph import DecodeGraphRunner
 from bcg.runner.graph_runner import GraphRunner, StackSpec
 from bcg.runner.host import cpu_kv_cache_budget, warn_if_cores_contended
 from bcg.runner.prefill_graph import PrefillGraphRunner
 from bcg.runner.sampling import PositionLogprobs, SamplingContext, build_sampling_batch, to_python
+from bcg.runner.step_plan import StepPlan
 from bcg.timing import startup_step
 from bcg.utils import cdiv
 
@@ -42,6 +56,18 @@ class StepResult:
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]]
 
 
+@dataclass
+class _PromptScoring:
+    """The prompt tokens a step scores: hidden-state rows, the token each row predicts,
+    alternatives wanted per row, and per sequence index (first scored position, offset into
+    the rows, count)."""
+
+    rows: array  # 'q'
+    targets: list[int]
+    tops: list[int]
+    spans: dict[int, tuple[int, int, int]]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
@@ -54,6 +80,7 @@ class ModelRunner:
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         tp = tensor_parallel()  # this rank's heads
+        self.step_channel = StepChannel(tp) if tp.size > 1 else None
         self.num_heads = tp.shard(c.num_attention_heads, "num_attention_heads")[1]
         self.num_kv_heads = tp.kv_heads(c.num_key_value_heads)
         self.attention = attention_backend(self.device, self.num_heads, self.num_kv_heads,
@@ -104,19 +131,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> StepResult:
-        """Run one step: sample a token for each sequence whose last known token it computes."""
-        batch = self.prepare(seqs, num_new_tokens)
-        hidden_states = self.forward(batch)
-        prompt_logprobs = self._prompt_logprobs(seqs, num_new_tokens, hidden_states)
-        sampling = [s for s, n in zip(seqs, num_new_tokens, strict=True) if samples_this_step(s, n)]
-        if not sampling:
+        """Run one step (on rank 0, the other ranks running its plan): sample a token for each
+        sequence whose last known token it computes."""
+        scoring = _plan_prompt_scoring(seqs, num_new_tokens)
+        plan = StepPlan(build_host_batch(seqs, num_new_tokens, self.block_size), scoring.rows)
+        if self.step_channel is not None:
+            self.step_channel.send(plan.to_bytes())
+        targets = torch.tensor(scoring.targets, device=self.device) if scoring.rows else None
+        scored: list[PositionLogprobs] = []
+
+        def score_prompt(start: int, logits: torch.Tensor) -> None:
+            tops = scoring.tops[start : start + len(logits)]
+            wanted = targets[start : start + len(logits)]
+            scored.extend(to_python(token_logprobs(logits, wanted, max(tops)), tops))
+
+        logits = self.run_plan(plan, score_prompt)
+        prompt_logprobs = {i: (position, scored[offset : offset + count])
+                           for i, (position, offset, count) in scoring.spans.items()}
+        if logits is None:
             return StepResult([], [], prompt_logprobs)
-        # A pure decode samples every row: a view then, not a gather (a launch and a copy).
-        rows = batch.sample_indices if len(sampling) < batch.num_tokens else slice(None)
-        logits = self.model.compute_logits(hidden_states[rows])
+        sampling = [s for s, n in zip(seqs, num_new_tokens, strict=True) if samples_this_step(s, n)]
         token_ids = self.sampler(logits, build_sampling_batch(sampling, self.sampling))
         return StepResult(token_ids.tolist(), self._sample_logprobs(sampling, logits, token_ids),
                           prompt_logprobs)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan,
+                 score_prompt: Callable[[int, torch.Tensor], None] | None = None
+                 ) -> torch.Tensor | None:
+        """The step's forward, then the head on its prompt rows (at most `max_num_seqs` at a
+        time, as the memory profile covers: `score_prompt(first row, logits)` takes each
+        chunk), then on its sampled rows, whose logits it returns (None if none). Every rank
+        runs this, in the same order: the head gathers the vocabulary from all of them."""
+        batch = plan.batch.upload(self.device)
+        hidden_states = self.forward(batch)
+        if plan.prompt_rows:
+            rows = torch.frombuffer(plan.prompt_rows, dtype=torch.int64).to(self.device)
+            for start in range(0, len(rows), self.max_num_seqs):
+                logits = self.model.compute_logits(
+                    hidden_states[rows[start : start + self.max_num_seqs]])
+                if score_prompt is not None:
+                    score_prompt(start, logits)
+        if not plan.batch.num_samples:
+            return None
+        # A pure decode samples every row: a view then, not a gather (a launch and a copy).
+        rows = batch.sample_indices if plan.batch.num_samples < batch.num_tokens else slice(None)
+        return self.model.compute_logits(hidden_states[rows])
 
     def _sample_logprobs(self, seqs: list[ScheduledSequence], logits: torch.Tensor,
                          token_ids: torch.Tensor) -> list[PositionLogprobs | None]:
@@ -129,38 +189,6 @@ class ModelRunner:
             for i, position in zip(wanted, to_python(scored, tops), strict=True):
                 result[i] = position
         return result
-
-    def _prompt_logprobs(self, seqs: list[ScheduledSequence], num_new_tokens: list[int],
-                         hidden_states: torch.Tensor) -> dict[int, tuple[int, list]]:
-        """Logprobs of the prompt tokens that this step's rows predict, for the sequences
-        asking for them: the row of position p scores prompt token p + 1."""
-        wanted = [i for i, s in enumerate(seqs) if s.sampling_params.prompt_logprobs is not None]
-        if not wanted:
-            return {}
-        starts = [0, *itertools.accumulate(num_new_tokens)]
-        rows, targets, spans = [], [], {}
-        for i in wanted:
-            seq = seqs[i]
-            first = seq.num_computed_tokens
-            scored_end = min(first + num_new_tokens[i], seq.num_prompt_tokens - 1)
-            if first < scored_end:
-                spans[i] = (first + 1, len(rows), scored_end - first)
-                rows += range(starts[i], starts[i] + scored_end - first)
-                targets += seq.token_ids[first + 1 : scored_end + 1]
-        if not rows:
-            return {}
-        tops = [seqs[i].sampling_params.prompt_logprobs for i in spans for _ in range(spans[i][2])]
-        rows = torch.tensor(rows, device=self.device)
-        targets = torch.tensor(targets, device=self.device)
-        scored = []
-        # At most as many rows at once as a step samples: the memory profile covers that.
-        for start in range(0, len(tops), self.max_num_seqs):
-            piece = slice(start, start + self.max_num_seqs)
-            logits = self.model.compute_logits(hidden_states[rows[piece]])
-            scored += to_python(token_logprobs(logits, targets[piece], max(tops[piece])),
-                                tops[piece])
-        return {i: (position, scored[offset : offset + count])
-                for i, (position, offset, count) in spans.items()}
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The transformer stack on a forward batch: `[num_tokens, hidden]` hidden states,
@@ -214,6 +242,12 @@ class ModelRunner:
                        c.head_dim, self.dtype, self.device)
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, reserved_bytes: int) -> int:
+        """What this rank's memory holds, or the least any rank's holds: all use one count."""
+        local = self._local_num_kv_blocks(config, max_model_len, reserved_bytes)
+        return tensor_parallel().min_over_ranks(local)
+
+    def _local_num_kv_blocks(self, config: EngineConfig, max_model_len: int,
+                             reserved_bytes: int) -> int:
         if self.device.type != "cuda":
             warn_if_cores_contended()
         if config.kv_cache_tokens is not None:
@@ -278,3 +312,30 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         return peak - before
+
+    def close(self) -> None:
+        """Drop the graphs and the KV cache: graphs that captured collectives must be gone
+        before the process group is."""
+        self.graph_runners.clear()
+        self.kv_cache = None
+
+
+def _plan_prompt_scoring(seqs: list[ScheduledSequence],
+                         num_new_tokens: list[int]) -> _PromptScoring:
+    """Which rows of this step score which prompt tokens, for the sequences asking for
+    prompt logprobs: the row of position p scores prompt token p + 1."""
+    scoring = _PromptScoring(array("q"), [], [], {})
+    starts = [0, *itertools.accumulate(num_new_tokens)]
+    for i, seq in enumerate(seqs):
+        top = seq.sampling_params.prompt_logprobs
+        if top is None:
+            continue
+        first = seq.num_computed_tokens
+        scored_end = min(first + num_new_tokens[i], seq.num_prompt_tokens - 1)
+        if first < scored_end:
+            count = scored_end - first
+            scoring.spans[i] = (first + 1, len(scoring.rows), count)
+            scoring.rows.extend(range(starts[i], starts[i] + count))
+            scoring.targets += seq.token_ids[first + 1 : scored_end + 1]
+            scoring.tops += [top] * count
+    return scoring

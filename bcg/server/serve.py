@@ -99,13 +99,16 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
 
     _enable_server_logs()
     engine = LLMEngine(config)
-    model_name = served_model_name or config.model or BUILTIN_NAME
-    app = create_app(engine, model_name, settings)
-    logger.info("serving %s on http://%s:%d/v1", model_name, host, port)
-    server_config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=max(1, round(2 * settings.graceful_shutdown_seconds)))
-    _server_exiting_cleanly(uvicorn.Server)(server_config).run()
+    try:
+        model_name = served_model_name or config.model or BUILTIN_NAME
+        app = create_app(engine, model_name, settings)
+        logger.info("serving %s on http://%s:%d/v1", model_name, host, port)
+        server_config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=max(1, round(2 * settings.graceful_shutdown_seconds)))
+        _server_exiting_cleanly(uvicorn.Server)(server_config).run()
+    finally:
+        engine.close()  # the tensor-parallel workers end with the server
 
 
 def _enable_server_logs() -> None:

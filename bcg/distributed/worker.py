@@ -1,0 +1,105 @@
+"""A tensor-parallel worker (ranks 1..N-1): build the same runner as rank 0 on this rank's
+device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
+
+Rank 0 spawns the workers itself (`spawned_worker_main`: one host, devices 0..N-1, start and
+failure reported through a pipe), or a launcher such as torchrun starts every rank
+(`serve_steps` with env-style initialisation, on cuda:LOCAL_RANK).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from bcg.config import EngineConfig
+from bcg.distributed.parallel_state import (
+    TensorParallel,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    local_rank,
+)
+from bcg.runner.step_plan import StepPlan
+
+PARENT_CHECK_SECONDS = 1.0
+
+
+def rank_config(config: EngineConfig) -> EngineConfig:
+    """`config` for this rank: its own GPU (cuda:LOCAL_RANK); on the CPU, its share of the
+    cores (ranks that each run all of them fight over them and every step slows down)."""
+    if config.torch_device.type == "cuda":
+        config = copy.copy(config)  # not `replace`: the checks refuse cuda:N at size > 1
+        config.device = f"cuda:{local_rank()}"
+        return config
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // config.tensor_parallel_size))
+    return config
+
+
+def join_group(config: EngineConfig, init_method: str = "env://",
+               rank: int | None = None) -> TensorParallel:
+    """Join the tensor-parallel group on this rank's device: NCCL on GPUs, gloo on the CPU."""
+    device = config.torch_device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    return init_tensor_parallel(config.tensor_parallel_size, backend, init_method, rank)
+
+
+def serve_steps(config: EngineConfig, init_method: str = "env://",
+                rank: int | None = None) -> None:
+    """Join the group, build this rank's runner as rank 0 builds its own, and run rank 0's
+    steps until it shuts down."""
+    from bcg.engine.llm_engine import start_runner  # the engine imports this module
+
+    config = rank_config(config)
+    join_group(config, init_method, rank)
+    runner = start_runner(config)
+    while (message := runner.step_channel.receive()) is not None:
+        runner.run_plan(StepPlan.from_bytes(message))
+    runner.close()
+    destroy_tensor_parallel()
+
+
+def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,
+                        reports: Connection) -> None:
+    """A worker that rank 0 spawned: report "started", serve steps, and on any error report
+    it (rank 0 raises it, naming this rank) and exit at once: a collective left waiting on
+    this rank then fails on rank 0 instead of hanging."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides
+    _exit_with_parent()
+    os.environ["LOCAL_RANK"] = str(rank)  # one host: the device index is the rank
+    try:
+        reports.send(("started", ""))
+        serve_steps(config, init_method, rank)
+    except BaseException as error:  # noqa: BLE001 - reported, then the process ends
+        _report(reports, error)
+        os._exit(1)
+
+
+def _report(reports: Connection, error: BaseException) -> None:
+    last = traceback.extract_tb(error.__traceback__)[-1:]
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    try:
+        reports.send(("failed", f"{type(error).__name__}: {error}{where}"))
+    except OSError:  # rank 0 is gone: nobody to tell
+        pass
+
+
+def _exit_with_parent() -> None:
+    """End this worker when rank 0's process dies (a collective waiting on it could wait
+    forever: NCCL does not notice a peer's death)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="bcg-parent-watch", daemon=True).start()

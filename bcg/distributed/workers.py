@@ -1,0 +1,212 @@
+"""Rank 0's side of tensor parallelism: size checks, the worker processes it spawns, naming
+a failed worker, and ending every rank.
+
+Unless a launcher (torchrun) started every rank, rank 0 spawns ranks 1..N-1 on this host and
+waits for each to report that it started (an early death, such as a script that spawns
+without an `if __name__ == "__main__":` guard, is an error at once, not a hang). A thread
+then watches the workers: one that raises reports its exception and exits, so rank 0's
+collective with it fails within moments (gloo sees the closed connection; on GPUs the NCCL
+group is aborted), and rank 0 raises an error naming that rank and its exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+from bcg.config import EngineConfig, require
+from bcg.distributed import worker
+from bcg.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, launched_rank
+from bcg.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+FAILURE_REPORT_SECONDS = 3.0  # how long a failed collective waits for a worker's report
+ABORT_AFTER_SECONDS = 2.0  # a failed worker's NCCL peers are aborted after this
+JOIN_SECONDS = 30.0  # a worker's clean exit at shutdown (it frees its GPU)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed; the engine cannot step any more."""
+
+
+def check_tensor_parallel_size(config: EngineConfig, model: ModelConfig) -> None:
+    """Refuse a size the model or the machine cannot take, before any weight loads."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    tp = TensorParallel(0, size)
+    tp.shard(model.num_attention_heads, "num_attention_heads")
+    tp.kv_heads(model.num_key_value_heads)
+    tp.shard(model.intermediate_size, "intermediate_size")
+    if config.torch_device.type == "cuda":
+        per_host = size if launched_rank() is None else int(
+            os.environ.get("LOCAL_WORLD_SIZE", size))
+        visible = torch.cuda.device_count()
+        require(per_host <= visible,
+                f"tensor_parallel_size={size} needs {per_host} GPUs on this host but "
+                f"{visible} are visible: lower it, or check CUDA_VISIBLE_DEVICES")
+
+
+class Workers:
+    """The other ranks as rank 0 sees them (none at tensor-parallel size 1)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.tensor_parallel_size
+        self.spawned = self.size > 1 and launched_rank() is None
+        self.processes: list[multiprocessing.Process] = []
+        self.runner = None  # rank 0's runner, once built: closed before the group goes
+        self.failure: tuple[int, str] | None = None  # the first worker that failed
+        self.broken: str | None = None  # why the ranks can no longer step together
+        self._failed = threading.Event()
+        self._closing = False
+        self._reports: list = []
+        self.nccl = config.torch_device.type == "cuda"
+        self.config = config  # rank 0's: its own device
+        if self.size == 1:
+            return
+        self.config = config = worker.rank_config(config)
+        if not self.spawned:
+            worker.join_group(config)
+            return
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._spawn(config, init_method)
+        try:
+            self._wait_until_started()
+            threading.Thread(target=self._watch, name="bcg-tp-watch", daemon=True).start()
+            with self.failures_named():
+                worker.join_group(config, init_method, rank=0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, config: EngineConfig, init_method: str) -> None:
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        for rank in range(1, self.size):
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(
+                target=worker.spawned_worker_main, args=(config, rank, init_method, sender),
+                name=f"bcg-tp-rank{rank}", daemon=True)
+            process.start()
+            sender.close()  # the worker's end: EOF here once it exits
+            self.processes.append(process)
+            self._reports.append(receiver)
+
+    def _wait_until_started(self) -> None:
+        for rank, (process, reports) in enumerate(zip(self.processes, self._reports), start=1):
+            wait([reports, process.sentinel])
+            message = _receive(reports)
+            if message is None or message[0] != "started":
+                process.join(5)
+                detail = message[1] if message else f"its process exited ({process.exitcode})"
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
+
+    def _watch(self) -> None:
+        """Wait for the first worker to report an error or exit; record it (and on GPUs abort
+        the group, so that rank 0 does not wait in a collective forever)."""
+        ranks = {}
+        for rank, (process, reports) in enumerate(zip(self.processes, self._reports), start=1):
+            ranks[reports] = ranks[process.sentinel] = rank
+        while ranks and not self._closing:
+            for ready in wait(list(ranks)):
+                rank = ranks.pop(ready)
+                process, reports = self.processes[rank - 1], self._reports[rank - 1]
+                message = _receive(reports) if reports.poll() else None
+                if message is not None and message[0] == "failed":
+                    self._record(rank, message[1])
+                elif ready is process.sentinel and not self._closing:
+                    self._record(rank, f"its process exited with code {process.exitcode}")
+                elif ready is reports:
+                    continue  # EOF: the sentinel follows
+        if self.failure is not None and self.nccl and not self._closing:
+            timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_group)
+            timer.daemon = True
+            timer.start()
+
+    def _record(self, rank: int, message: str) -> None:
+        if self.failure is None:
+            self.failure = (rank, message)
+            logger.error("tensor-parallel rank %d failed: %s", rank, message)
+            self._failed.set()
+
+    def _abort_group(self) -> None:
+        abort = getattr(c10d, "_abort_process_group", None)
+        if abort is not None and not self._closing and c10d.is_initialized():
+            abort()
+
+    def error(self) -> TensorParallelError:
+        if self.failure is not None:
+            rank, message = self.failure
+            return TensorParallelError(f"tensor-parallel rank {rank} failed: {message}")
+        return TensorParallelError(f"the engine cannot step any more ({self.broken}): "
+                                   "start a new one")
+
+    @contextmanager
+    def failures_named(self) -> Iterator[None]:
+        """Run work in which every rank takes part. If it raises because a worker failed,
+        raise that worker's error; after any failure the ranks are out of step for good."""
+        if self.failure is not None or self.broken is not None:
+            raise self.error()
+        try:
+            yield
+        except BaseException as error:
+            if self.size == 1:
+                raise
+            self.broken = f"rank 0 stopped in a step: {type(error).__name__}"
+            if self._failed.wait(FAILURE_REPORT_SECONDS if self.spawned else 0):
+                if not isinstance(error, ValueError):  # rank 0's own, clear error stands
+                    raise self.error() from error
+            raise
+
+    def close(self) -> None:
+        """End every rank: tell the workers to stop (or, out of step, terminate them), close
+        rank 0's runner and leave the group."""
+        if self._closing:
+            return
+        self._closing = True
+        self.broken = self.broken or "it was closed"
+        in_step = self.broken == "it was closed" and self.failure is None
+        channel = getattr(self.runner, "step_channel", None)
+        if channel is not None and in_step:
+            try:
+                channel.send_shutdown()
+            except RuntimeError:  # a worker is gone
+                in_step = False
+        for process in self.processes:
+            process.join(JOIN_SECONDS if in_step else 0)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self.runner is not None:
+            self.runner.close()
+        if self.size > 1:
+            if in_step or not self.nccl:
+                destroy_tensor_parallel()
+            else:  # destroying an NCCL group whose peer died can hang
+                self._abort_group()
+                destroy_tensor_parallel()
+
+
+def _receive(reports) -> tuple[str, str] | None:
+    try:
+        return reports.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
