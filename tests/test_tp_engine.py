@@ -1,0 +1,132 @@
+"""Tensor parallelism through the engine on the CPU (gloo, 2 processes): `LLM(...,
+tensor_parallel_size=2)` generates tp 1's greedy tokens with its logprobs (prompt and
+sampled) within 1e-5; `bcg serve -tp 2` answers the openai client; a worker that raises at
+load or in a step stops the engine with an error naming its rank (no hang); sizes the model
+or the machine cannot take are refused before any weight loads."""
+
+import time
+
+import pytest
+import torch
+
+import bcg.runner.model_runner as model_runner
+from bcg.config import EngineConfig
+from bcg.distributed import worker
+from bcg.distributed.workers import TensorParallelError, check_tensor_parallel_size
+from bcg.engine.llm import LLM
+from bcg.engine.sampling_params import SamplingParams
+from bcg.loader.model_source import resolve_model
+from tests.hf_tiny import VOCAB, save_tiny_model
+from tests.server_process import running_server
+
+PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 9))]
+PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3)
+TOLERANCE = 1e-5
+ENGINE_ARGS = dict(device="cpu", kv_cache_tokens=1024, max_model_len=256)
+FAILURE_SECONDS = 60  # an error must come this fast, well before any timeout
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_folder(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    overrides = {"vocab_size": VOCAB + 1} if request.param == "llama" else {}  # padded slice
+    save_tiny_model(request.param, folder, **overrides)
+    return folder
+
+
+def generate(folder, tp: int):
+    llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS)
+    try:
+        return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def logprob_values(positions) -> list[float]:
+    return [entry.logprob for position in positions if position
+            for _, entry in sorted(position.items())]
+
+
+def test_tp2_generates_tp1s_tokens_and_logprobs(tiny_folder):
+    expected, ours = generate(tiny_folder, 1), generate(tiny_folder, 2)
+    for mine, ref in zip(ours, expected, strict=True):
+        assert mine.outputs[0].token_ids == ref.outputs[0].token_ids
+        for got, want in ((mine.outputs[0].logprobs, ref.outputs[0].logprobs),
+                          (mine.prompt_logprobs, ref.prompt_logprobs)):
+            got, want = torch.tensor(logprob_values(got)), torch.tensor(logprob_values(want))
+            assert got.shape == want.shape
+            assert ((got - want).abs().max() / want.abs().max()).item() <= TOLERANCE
+
+
+def test_serve_tp2_answers_the_openai_client(tmp_path):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    save_tiny_model("qwen3", tmp_path)
+    args = ["--model", str(tmp_path), "-tp", "2", "--max-model-len", "256",
+            "--kv-cache-tokens", "1024"]
+    with running_server(args) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        reply = client.completions.create(model=str(tmp_path), prompt=PROMPTS[1], max_tokens=5,
+                                          temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 5
+
+
+def _fail_at_load(*args, **kwargs):
+    raise RuntimeError("injected load failure")
+
+
+def worker_failing_at_load(*args):
+    model_runner.load_model = _fail_at_load
+    worker.spawned_worker_main(*args)
+
+
+def worker_failing_in_a_step(*args):
+    def run_plan(self, plan, score_prompt=None):
+        raise RuntimeError("injected step failure")
+
+    model_runner.ModelRunner.run_plan = run_plan
+    worker.spawned_worker_main(*args)
+
+
+def test_a_worker_failing_at_load_is_named(tmp_path, monkeypatch):
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(worker, "spawned_worker_main", worker_failing_at_load)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError,
+                       match="rank 1 failed: RuntimeError: injected load failure"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    assert time.monotonic() - start < FAILURE_SECONDS
+
+
+def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(worker, "spawned_worker_main", worker_failing_in_a_step)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError,
+                       match="rank 1 failed: RuntimeError: injected step failure"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    with pytest.raises(TensorParallelError, match="rank 1 failed"):  # and stays failed
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm.close()
+    assert time.monotonic() - start < FAILURE_SECONDS
+    assert not any(p.is_alive() for p in llm.engine._workers.processes)
+
+
+def test_bad_sizes_are_refused_before_weights_load(tmp_path, monkeypatch):
+    save_tiny_model("qwen3", tmp_path)  # 4 heads, 2 KV heads, intermediate 96
+    monkeypatch.setattr(model_runner, "load_model", _fail_at_load)
+    with pytest.raises(ValueError, match="num_attention_heads .4. is not divisible by the "
+                                         "tensor-parallel size 3"):
+        LLM(str(tmp_path), tensor_parallel_size=3, **ENGINE_ARGS)
+    for size in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+            LLM(str(tmp_path), tensor_parallel_size=size, **ENGINE_ARGS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="names one GPU"):
+        EngineConfig(model=str(tmp_path), device="cuda:1", tensor_parallel_size=2)
+    config = EngineConfig(model=str(tmp_path), device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs 2 GPUs on this host but 1 are visible"):
+        check_tensor_parallel_size(config, resolve_model(str(tmp_path)).config)
