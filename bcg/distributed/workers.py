@@ -18,7 +18,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -69,7 +69,7 @@ class Workers:
         self.broken: str | None = None  # why the ranks can no longer step together
         self._failed = threading.Event()
         self._closing = False
-        self._reports: list = []
+        self._reports: list[Connection] = []  # each worker's reports, by rank - 1
         self.nccl = config.torch_device.type == "cuda"
         self.config = config  # rank 0's: its own device
         if self.size == 1:
@@ -101,8 +101,12 @@ class Workers:
             self.processes.append(process)
             self._reports.append(receiver)
 
+    def _each_worker(self) -> Iterator[tuple[int, multiprocessing.Process, Connection]]:
+        for index, process in enumerate(self.processes):
+            yield index + 1, process, self._reports[index]
+
     def _wait_until_started(self) -> None:
-        for rank, (process, reports) in enumerate(zip(self.processes, self._reports), start=1):
+        for rank, process, reports in self._each_worker():
             wait([reports, process.sentinel])
             message = _receive(reports)
             if message is None or message[0] != "started":
@@ -114,7 +118,7 @@ class Workers:
         """Wait for the first worker to report an error or exit; record it (and on GPUs abort
         the group, so that rank 0 does not wait in a collective forever)."""
         ranks = {}
-        for rank, (process, reports) in enumerate(zip(self.processes, self._reports), start=1):
+        for rank, process, reports in self._each_worker():
             ranks[reports] = ranks[process.sentinel] = rank
         while ranks and not self._closing:
             for ready in wait(list(ranks)):
@@ -125,18 +129,18 @@ class Workers:
                     self._record(rank, message[1])
                 elif ready is process.sentinel and not self._closing:
                     self._record(rank, f"its process exited with code {process.exitcode}")
-                elif ready is reports:
-                    continue  # EOF: the sentinel follows
-        if self.failure is not None and self.nccl and not self._closing:
+                # else the reports' end of file: the sentinel follows
+
+    def _record(self, rank: int, message: str) -> None:
+        if self.failure is not None:
+            return
+        self.failure = (rank, message)
+        logger.error("tensor-parallel rank %d failed: %s", rank, message)
+        self._failed.set()
+        if self.nccl:  # NCCL waits for a dead peer forever: abort the group
             timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_group)
             timer.daemon = True
             timer.start()
-
-    def _record(self, rank: int, message: str) -> None:
-        if self.failure is None:
-            self.failure = (rank, message)
-            logger.error("tensor-parallel rank %d failed: %s", rank, message)
-            self._failed.set()
 
     def _abort_group(self) -> None:
         abort = getattr(c10d, "_abort_process_group", None)
@@ -162,9 +166,11 @@ class Workers:
             if self.size == 1:
                 raise
             self.broken = f"rank 0 stopped in a step: {type(error).__name__}"
-            if self._failed.wait(FAILURE_REPORT_SECONDS if self.spawned else 0):
-                if not isinstance(error, ValueError):  # rank 0's own, clear error stands
-                    raise self.error() from error
+            # A collective fails the moment a peer exits; its report may be on its way.
+            # Rank 0's own clear errors (bad input) and Ctrl-C stand as they are.
+            if (isinstance(error, Exception) and not isinstance(error, ValueError)
+                    and self._failed.wait(FAILURE_REPORT_SECONDS if self.spawned else 0)):
+                raise self.error() from error
             raise
 
     def close(self) -> None:

@@ -22,12 +22,12 @@ import torch
 
 from bcg.config import EngineConfig
 from bcg.distributed.parallel_state import tensor_parallel
+from bcg.distributed.step_channel import StepChannel
 from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
 from bcg.layers.attention_backend import attention_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
-from bcg.distributed.step_channel import StepChannel
 from bcg.runner.batch import (
     ScheduledSequence,
     SyntheticSequence,
