@@ -64,7 +64,8 @@ class PagedHarness:
         engine_args.setdefault("kv_cache_tokens", 1024)
         config = EngineConfig(model=str(folder), device=device, dtype=dtype,
                               block_size=block_size, **engine_args)
-        self.runner = ModelRunner(config, resolve_model(str(folder)), max_model_len=max_model_len)
+        source = resolve_model(str(folder), dummy_weights=config.load_format == "dummy")
+        self.runner = ModelRunner(config, source, max_model_len=max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
                                           config.enable_prefix_caching)
 

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo: a model split over 2 (or 4) processes gives the
 logits of the unsplit model (fp32), for Llama (tied head, vocabulary padded), Qwen2
-(biases) and Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated)."""
+(biases) and Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated), with loaded and
+with dummy weights."""
 
 import os
 
@@ -21,9 +22,9 @@ PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5,
 TOLERANCE = 1e-5
 
 
-def step_logits(folder) -> list[torch.Tensor]:
+def step_logits(folder, load_format: str) -> list[torch.Tensor]:
     """Prefill every prompt, then one decode step of each: the logits of every row."""
-    harness = PagedHarness(folder)
+    harness = PagedHarness(folder, load_format=load_format)
     seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
     prefill = harness.step(seqs, [len(p) for p in PROMPTS])
     for seq, rows in zip(seqs, prefill, strict=True):
@@ -31,30 +32,32 @@ def step_logits(folder) -> list[torch.Tensor]:
     return prefill + harness.step(seqs, [1] * len(seqs))
 
 
-def rank_main(rank: int, size: int, port: int, folder, out_path) -> None:
+def rank_main(rank: int, size: int, port: int, folder, load_format: str, out_path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     init_tensor_parallel(size, "gloo")
     try:
-        logits = step_logits(folder)
+        logits = step_logits(folder, load_format)
         if rank == 0:
             torch.save(logits, out_path)
     finally:
         destroy_tensor_parallel()
 
 
-@pytest.mark.parametrize("arch,size,overrides", [
-    ("llama", 2, {"vocab_size": VOCAB + 1}),  # 161 rows: the last rank's slice is padded
-    ("qwen2", 2, {}),
-    ("qwen3", 2, {}),
-    ("qwen3", 4, {}),  # 4 heads, 2 KV heads: each KV head on two ranks
+@pytest.mark.parametrize("arch,size,overrides,load_format", [
+    ("llama", 2, {"vocab_size": VOCAB + 1}, "auto"),  # 161 rows: the last rank's is padded
+    ("qwen2", 2, {}, "auto"),
+    ("qwen3", 2, {}, "auto"),
+    ("qwen3", 4, {}, "auto"),  # 4 heads, 2 KV heads: each KV head on two ranks
+    ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy"),  # random weights split like loaded ones
 ])
-def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides):
+def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides, load_format):
     save_tiny_model(arch, tmp_path, **overrides)
-    expected = step_logits(tmp_path)
+    expected = step_logits(tmp_path, load_format)
     out_path = tmp_path / "rank0.pt"
-    mp.spawn(rank_main, args=(size, free_port(), tmp_path, out_path), nprocs=size, join=True)
+    mp.spawn(rank_main, args=(size, free_port(), tmp_path, load_format, out_path), nprocs=size,
+             join=True)
     for ours, ref in zip(torch.load(out_path), expected, strict=True):
         assert relative_error(ours, ref) <= TOLERANCE
 

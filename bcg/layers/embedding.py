@@ -3,6 +3,8 @@ holding an equal slice of the vocabulary (padded to a multiple of the ranks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,11 @@ class VocabSlice(nn.Module):
         if loaded.shape[0] != self.vocab_size:
             copy_checked(name, self.weight, loaded)  # the shape error, naming the weight
         copy_checked(name, self.weight.data[:real], loaded[self.start : self.start + real])
+
+
+    def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
+        """Random rows (`draw(shape)`) for the whole vocabulary, this rank's kept."""
+        self.load_weight(name, draw((self.vocab_size, self.weight.shape[1])))
 
 
 class Embedding(VocabSlice):

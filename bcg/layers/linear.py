@@ -10,6 +10,8 @@ weights load block by block, each rank narrowing the full tensor to its part.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,6 +77,14 @@ class ColumnParallelLinear(Linear):
         copy_checked(name, target, loaded)
 
 
+    def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
+        """Random weights (`draw(shape, part)`) as a checkpoint would hold them, this rank's
+        part kept: each output block whole."""
+        width = () if name.endswith(".bias") else (self.weight.shape[1],)
+        for block, size in enumerate(self.output_sizes):
+            self.load_weight(name, draw((size, *width), block), block)
+
+
 class RowParallelLinear(Linear):
     """Each rank multiplies its slice of the inputs; the ranks' results are summed."""
 
@@ -82,7 +92,7 @@ class RowParallelLinear(Linear):
         tp = tensor_parallel()
         start, local_input = tp.shard(input_size, "a row-parallel projection's input")
         super().__init__(local_input, [output_size], [output_size], bias)
-        self.tp, self.input_start = tp, start
+        self.tp, self.input_start, self.input_size = tp, start, input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[T, local input]` -> `[T, output_size]`, the same on every rank."""
@@ -96,3 +106,10 @@ class RowParallelLinear(Linear):
         if param_name == "weight" and loaded.dim() == 2 and loaded.shape[1] == local * self.tp.size:
             loaded = loaded.narrow(1, self.input_start, local)
         copy_checked(name, getattr(self, param_name).data, loaded)
+
+    def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
+        """Random weights (`draw(shape)`) as a checkpoint would hold them, this rank's input
+        columns kept."""
+        output_size = self.weight.shape[0]
+        self.load_weight(name, draw((output_size,) if name.endswith(".bias")
+                                    else (output_size, self.input_size)))
