@@ -73,15 +73,25 @@ def settled_reserved_bytes(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device)
 
 
+_frozen_depth = 0
+
+
 @contextmanager
 def frozen_gc() -> Iterator[None]:
-    """No full garbage collection while graphs are captured: one would scan every Python
-    object (hundreds of thousands with a model's libraries loaded) at a random moment."""
-    gc.freeze()
+    """Every object alive now is left out of garbage collection until the outermost block
+    ends: a full collection during capture would scan hundreds of thousands of objects (a
+    model's libraries loaded) at a random moment, and start-up's own collections, which only
+    need to find the garbage its steps made, scan only that."""
+    global _frozen_depth
+    if _frozen_depth == 0:
+        gc.freeze()
+    _frozen_depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        _frozen_depth -= 1
+        if _frozen_depth == 0:
+            gc.unfreeze()
 
 
 @eager_on_graph
