@@ -74,23 +74,26 @@ def settled_reserved_bytes(device: torch.device) -> int:
 
 
 _frozen_depth = 0
+_thaw_on_exit = False
 
 
 @contextmanager
 def frozen_gc() -> Iterator[None]:
-    """Every object alive now is left out of garbage collection until the outermost block
-    ends: a full collection during capture would scan hundreds of thousands of objects (a
-    model's libraries loaded) at a random moment, and start-up's own collections, which only
-    need to find the garbage its steps made, scan only that."""
-    global _frozen_depth
+    """Every object alive now is skipped by garbage collection until the outermost block
+    ends: a collection during capture would otherwise scan hundreds of thousands of
+    objects (a model's libraries loaded) at a random moment, and start-up's own
+    collections, which only need the garbage its steps made, scan only that. Objects a
+    host application froze itself stay frozen."""
+    global _frozen_depth, _thaw_on_exit
     if _frozen_depth == 0:
+        _thaw_on_exit = gc.get_freeze_count() == 0
         gc.freeze()
     _frozen_depth += 1
     try:
         yield
     finally:
         _frozen_depth -= 1
-        if _frozen_depth == 0:
+        if _frozen_depth == 0 and _thaw_on_exit:
             gc.unfreeze()
 
 
