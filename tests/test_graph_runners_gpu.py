@@ -42,7 +42,7 @@ def harness(folder, mode: str, **extra) -> PagedHarness:
     key = (folder, mode, tuple(sorted(extra.items())))
     if key not in _harnesses:
         _harnesses[key] = PagedHarness(folder, device="cuda", dtype="bfloat16", block_size=16,
-                                       **LIMITS, **MODES[mode], **extra)
+                                       **LIMITS, **{**MODES[mode], **extra})
     return _harnesses[key]
 
 
@@ -93,8 +93,20 @@ def test_mixed_prefill_and_decode_steps(folder, mode):
 def test_every_bucket_replays_in_random_order_like_eager(folder):
     h = harness(folder, "full+breakable")
     verify_graphs(h.runner)  # raises on any mismatch
-    assert {r.kind for r in h.runner.graph_runners} == {"decode", "prefill"}
-    assert all(r.pool_bytes > 0 and r.capture_seconds > 0 for r in h.runner.graph_runners)
+    decode, prefill = h.runner.graph_runners
+    assert (decode.kind, prefill.kind) == ("decode", "prefill")
+    assert decode.pool is prefill.pool  # decode graphs reuse the prefill graphs' scratch
+    assert prefill.pool_bytes > 0 and decode.capture_seconds > 0 and prefill.capture_seconds > 0
+
+
+def test_decode_graphs_without_prefill_graphs_measure_their_own_pool(folder):
+    h = harness(folder, "eager", decode_graph="full")
+    (decode,) = h.runner.graph_runners
+    assert decode.pool_bytes > 0
+    steps = [[1, 1, 1]]
+    prompts = [prompt(PREFIX + 1, seed=i) for i in range(3)]
+    assert_same_logits(run_steps(h, prompts, steps),
+                       run_steps(harness(folder, "eager"), prompts, steps))
 
 
 def test_batches_beyond_the_buckets_fall_back_to_eager_and_are_counted(folder):

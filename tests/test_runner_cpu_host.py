@@ -1,5 +1,6 @@
 """The CPU KV cache sized to the machine's memory, and the warning when cores are fought over."""
 
+import gc
 import logging
 import os
 import subprocess
@@ -15,6 +16,7 @@ from bcg.loader.model_source import resolve_model
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 from bcg.runner import host
+from bcg.runner.graph_runner import frozen_gc
 from bcg.runner.model_runner import ModelRunner
 from tests.hf_tiny import SIZES, save_tiny_model
 
@@ -142,3 +144,19 @@ def test_the_warning_is_one_line_once_per_process(monkeypatch, caplog):
         host.warn_if_cores_contended()
         host.warn_if_cores_contended()
     assert [r.message for r in caplog.records] == ["CPU cores are oversubscribed: x"]
+
+
+def test_frozen_gc_nests_and_leaves_what_the_host_froze_frozen():
+    gc.freeze()  # the host's own freeze
+    host_frozen = gc.get_freeze_count()
+    try:
+        with frozen_gc():
+            with frozen_gc():
+                pass
+            assert gc.get_freeze_count() >= host_frozen  # the inner exit thawed nothing
+        assert gc.get_freeze_count() >= host_frozen
+    finally:
+        gc.unfreeze()
+    with frozen_gc():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

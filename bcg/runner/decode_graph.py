@@ -59,16 +59,17 @@ class DecodeGraphRunner(GraphRunner):
         self._empty = build_batch([], [], spec.block_size, self.device)
 
     @classmethod
-    def from_config(cls, spec: StackSpec, config: EngineConfig,
-                    max_model_len: int) -> DecodeGraphRunner | None:
-        """The runner `config` asks for (not captured yet), or None for eager decode."""
+    def from_config(cls, spec: StackSpec, config: EngineConfig, max_model_len: int,
+                    pool: Any = None) -> DecodeGraphRunner | None:
+        """The runner `config` asks for (not captured yet, into `pool` if given), or None for
+        eager decode."""
         mode = graph_mode(config.decode_graph, config.debug_cuda_graph)
         if mode == "none":
             return None
         buckets = ladder(parse_sizes(config.decode_graph_bs), DECODE_BATCH_SIZES,
                          config.max_num_seqs)
         return cls(spec, mode, buckets, max_blocks_per_seq=cdiv(max_model_len, spec.block_size),
-                   max_seq_len=max_model_len)
+                   max_seq_len=max_model_len, pool=pool)
 
     def size_of(self, batch: ForwardBatch) -> int | None:
         fits = batch.is_decode and batch.block_tables.shape[1] <= self.max_blocks_per_seq

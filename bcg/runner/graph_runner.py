@@ -74,15 +74,28 @@ def settled_reserved_bytes(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device)
 
 
+_frozen_depth = 0
+_thaw_on_exit = False
+
+
 @contextmanager
 def frozen_gc() -> Iterator[None]:
-    """No full garbage collection while graphs are captured: one would scan every Python
-    object (hundreds of thousands with a model's libraries loaded) at a random moment."""
-    gc.freeze()
+    """Every object alive now is skipped by garbage collection until the outermost block
+    ends: a collection during capture would otherwise scan hundreds of thousands of
+    objects (a model's libraries loaded) at a random moment, and start-up's own
+    collections, which only need the garbage its steps made, scan only that. Objects a
+    host application froze itself stay frozen."""
+    global _frozen_depth, _thaw_on_exit
+    if _frozen_depth == 0:
+        _thaw_on_exit = gc.get_freeze_count() == 0
+        gc.freeze()
+    _frozen_depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        _frozen_depth -= 1
+        if _frozen_depth == 0 and _thaw_on_exit:
+            gc.unfreeze()
 
 
 @eager_on_graph

@@ -36,7 +36,7 @@ from bcg.runner.batch import (
     samples_this_step,
 )
 from bcg.runner.decode_graph import DecodeGraphRunner
-from bcg.runner.graph_runner import GraphRunner, StackSpec
+from bcg.runner.graph_runner import GraphRunner, StackSpec, frozen_gc
 from bcg.runner.host import cpu_kv_cache_budget, warn_if_cores_contended
 from bcg.runner.prefill_graph import PrefillGraphRunner
 from bcg.runner.sampling import PositionLogprobs, SamplingContext, build_sampling_batch, to_python
@@ -90,16 +90,23 @@ class ModelRunner:
         self.forward_counts: Counter[str] = Counter()
         # Prefill graphs never touch the cache inside a segment, so they are captured against a
         # one-block stand-in before the cache is sized: their pool is then counted as used.
-        # Decode graphs bake the cache in; their pool is measured first and set aside.
         self.kv_cache = self._new_kv_cache(1)
         self.graph_runners: list[GraphRunner] = []  # tried in order; decode first
-        decode, prefill = self._graph_runners(config, max_model_len)
+        with frozen_gc():  # start-up's collections then scan only the objects it made
+            self._capture_graphs_and_size_cache(config, max_model_len)
+
+    def _capture_graphs_and_size_cache(self, config: EngineConfig, max_model_len: int) -> None:
+        prefill = self._prefill_graph_runner(config)
         if prefill is not None:
             with startup_step("prefill graphs"):
                 prefill.capture_all()
             self.graph_runners.append(prefill)
+        decode = self._decode_graph_runner(config, max_model_len, prefill)
+        # Decode graphs bake the cache in, so they are captured after it is sized. In the
+        # prefill graphs' pool they reuse its scratch and need no room of their own; in a pool
+        # of their own, it is measured first (a throw-away capture) and set aside.
         decode_pool_bytes = 0
-        if decode is not None:
+        if decode is not None and (prefill is None or decode.pool is not prefill.pool):
             with startup_step("decode graph pool measured"):
                 decode_pool_bytes = decode.measure_pool_bytes()
         with startup_step("KV cache sized and allocated"):
@@ -119,15 +126,23 @@ class ModelRunner:
         return StackSpec(self.model, self.forward_context, self.device,
                          self.model_config.hidden_size, self.dtype, self.block_size)
 
-    def _graph_runners(self, config: EngineConfig, max_model_len: int
-                       ) -> tuple[DecodeGraphRunner | None, PrefillGraphRunner | None]:
+    def _prefill_graph_runner(self, config: EngineConfig) -> PrefillGraphRunner | None:
         if self.device.type != "cuda":
             if (config.decode_graph, config.prefill_graph) != ("none", "none"):
                 logger.info("CUDA graphs need a CUDA device: every step runs eagerly on %s",
                             self.device)
-            return None, None
-        return (DecodeGraphRunner.from_config(self.stack_spec, config, max_model_len),
-                PrefillGraphRunner.from_config(self.stack_spec, config))
+            return None
+        return PrefillGraphRunner.from_config(self.stack_spec, config)
+
+    def _decode_graph_runner(self, config: EngineConfig, max_model_len: int,
+                             prefill: PrefillGraphRunner | None) -> DecodeGraphRunner | None:
+        if self.device.type != "cuda":
+            return None
+        # A decode step no larger than the largest prefill bucket fits in the prefill
+        # graphs' scratch: the two kinds never replay at once, so they can share a pool.
+        shares = prefill is not None and config.max_num_seqs <= prefill.max_size
+        return DecodeGraphRunner.from_config(self.stack_spec, config, max_model_len,
+                                             pool=prefill.pool if shares else None)
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> StepResult:
