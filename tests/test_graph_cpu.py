@@ -398,6 +398,23 @@ def test_exception_during_replay_names_the_break(fake):
     assert get_current_replay_token() is None
 
 
+def test_exception_in_a_segment_during_replay_names_the_segment(fake):
+    fail = [False]
+
+    def kernel():
+        if fail[0]:
+            raise RuntimeError("launch failed")
+
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        fake.launch(lambda: None)
+        break_graph()
+        fake.launch(kernel)
+    fail[0] = True
+    with pytest.raises(GraphReplayError, match=r"in segment 1: RuntimeError: launch failed"):
+        graph.replay()
+
+
 def test_misuse_errors(fake):
     with pytest.raises(TypeError, match="BreakableCUDAGraph"):
         BreakableCUDAGraphCapture(object())
