@@ -68,7 +68,9 @@ class CudaBackend:
                 "check_leaks records CUDA allocation history, which is already being recorded "
                 "(torch.cuda.memory._record_memory_history): stop that recording first, or "
                 "capture without check_leaks")
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        # Python stacks of allocations only: C++ stacks would slow every later allocation.
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                                 max_entries=100_000)
         self.recording_allocations = True
 
     def live_blocks(self) -> dict[int, tuple[int, list]]:
