@@ -37,7 +37,10 @@ class FakeSegment:
         assert self.backend.recording is self
         self.backend.recording = None
         if self.backend.unjoined_work:  # CUDA's error for a forked stream left unjoined
-            raise RuntimeError("operation failed due to a previous error during capture")
+            raise RuntimeError("CUDA error: capturing stream has unjoined work\nmore lines")
+        if self.backend.invalidated:  # e.g. a synchronising call during the capture
+            raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                               "capture\nmore lines")
         self.backend.log.append("end")
         if not self.kernels:
             warnings.warn("The CUDA Graph is empty. This usually means ...", stacklevel=2)
@@ -72,6 +75,7 @@ class FakeBackend:
         self.segments: list[FakeSegment] = []
         self.pools = 0
         self.unjoined_work = False
+        self.invalidated = False
         self.generators_reset = 0
         self.recording_allocations = False
         self.allocations: dict[int, tuple[weakref.ref, str]] = {}  # address: (tensor, site)

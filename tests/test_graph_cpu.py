@@ -2,8 +2,10 @@
 protocol driven by a fake CUDA backend (tests/fake_cuda.py)."""
 
 import dataclasses
+import enum
 import gc
 import threading
+import types
 import weakref
 from typing import NamedTuple
 
@@ -26,6 +28,7 @@ from bcg.graph import (
     mark_break_output,
 )
 from bcg.graph.context import _current_stream
+from bcg.graph.copy_output import tensors_in
 from tests.fake_cuda import FakeBackend, FakeStream
 
 
@@ -398,6 +401,23 @@ def test_exception_during_replay_names_the_break(fake):
     assert get_current_replay_token() is None
 
 
+def test_exception_in_a_segment_during_replay_names_the_segment(fake):
+    fail = [False]
+
+    def kernel():
+        if fail[0]:
+            raise RuntimeError("launch failed")
+
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        fake.launch(lambda: None)
+        break_graph()
+        fake.launch(kernel)
+    fail[0] = True
+    with pytest.raises(GraphReplayError, match=r"in segment 1: RuntimeError: launch failed"):
+        graph.replay()
+
+
 def test_misuse_errors(fake):
     with pytest.raises(TypeError, match="BreakableCUDAGraph"):
         BreakableCUDAGraphCapture(object())
@@ -565,3 +585,54 @@ def test_leak_check_off_by_default(fake):
     with BreakableCUDAGraphCapture(BreakableCUDAGraph()):
         leaky()
     assert not fake.recording_allocations
+
+
+def test_a_segment_that_cannot_end_for_another_reason_does_not_blame_forks(fake):
+    graph = BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match=r"segment 0 of the capture could not end "
+                                           r"\(CUDA error: operation failed.*\)$"):
+        with BreakableCUDAGraphCapture(graph):
+            fake.launch(lambda: None)
+            fake.invalidated = True
+    assert fake.generators_reset == 1
+
+
+def test_an_error_inside_a_capture_wins_and_the_generators_are_reset(fake):
+    graph = BreakableCUDAGraph()
+    with pytest.raises(ValueError, match="model code failed"):
+        with BreakableCUDAGraphCapture(graph):
+            fake.launch(lambda: None)
+            fake.invalidated = True  # the capture cannot end cleanly either
+            raise ValueError("model code failed")
+    assert fake.generators_reset == 1 and not graph.is_captured
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:
+    kept: torch.Tensor
+    color: Color
+
+
+def test_tensors_in_walks_containers_objects_slots_and_cycles():
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    cyclic = types.SimpleNamespace(tensor=c)
+    cyclic.me = cyclic
+    found = tensors_in(({"a": a}, [Slotted(b, Color.RED)], cyclic, Color.RED, "text", None))
+    assert [t.numel() for t in found] == [1, 2, 3]
+
+
+def test_leak_check_sees_a_leak_beside_a_returned_offset_view(fake):
+    kept = []
+
+    @eager_on_graph
+    def leaky_view(x):
+        kept.append(fake.allocate(16, "leaky_site.py"))
+        return fake.allocate(8, "result.py")[4:]  # an offset view of its storage
+
+    with pytest.raises(RuntimeError, match=r"(?s)leaked 1 CUDA allocation.*leaky_site.py"):
+        with BreakableCUDAGraphCapture(BreakableCUDAGraph(), check_leaks=True):
+            leaky_view(torch.zeros(1))

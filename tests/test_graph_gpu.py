@@ -2,13 +2,15 @@
 
 import dataclasses
 import random
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 
-import bcg.graph.capture as capture_module
 from bcg.graph import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
@@ -293,16 +295,24 @@ def test_leak_check_catches_a_break_that_keeps_memory_and_accepts_a_marked_one()
     assert graph.num_breaks == 1
 
 
-def test_leak_check_refuses_when_history_is_already_recorded(monkeypatch):
-    monkeypatch.setattr(capture_module.backend, "recording_allocations", False)
-    torch.cuda.memory._record_memory_history(max_entries=1000)
-    try:
-        torch.empty(16, device="cuda")
-        with pytest.raises(RuntimeError, match="already being recorded"):
-            with BreakableCUDAGraphCapture(BreakableCUDAGraph(), check_leaks=True):
-                pass
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+REFUSAL_CHECK = """
+import torch
+from bcg.graph import BreakableCUDAGraph, BreakableCUDAGraphCapture
+torch.cuda.memory._record_memory_history(max_entries=1000)
+torch.empty(16, device="cuda")
+try:
+    with BreakableCUDAGraphCapture(BreakableCUDAGraph(), check_leaks=True):
+        pass
+except RuntimeError as error:
+    print("REFUSED" if "already being recorded" in str(error) else error)
+"""
+
+
+def test_leak_check_refuses_when_history_is_already_recorded():
+    # A process of its own: recording, once on, stays on (bcg's and this test's).
+    done = subprocess.run([sys.executable, "-c", REFUSAL_CHECK], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert done.stdout.strip() == "REFUSED", done.stdout + done.stderr
 
 
 def test_decreasing_sizes_largest_first_in_one_pool_random_replay():

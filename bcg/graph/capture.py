@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from bcg.graph.context import _current_stream
+from bcg.graph.copy_output import tensors_in
 from bcg.graph.graph import BreakableCUDAGraph
 
 _EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
@@ -67,7 +68,9 @@ class CudaBackend:
                 "check_leaks records CUDA allocation history, which is already being recorded "
                 "(torch.cuda.memory._record_memory_history): stop that recording first, or "
                 "capture without check_leaks")
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        # Python stacks of allocations only: C++ stacks would slow every later allocation.
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                                 max_entries=100_000)
         self.recording_allocations = True
 
     def live_blocks(self) -> dict[int, tuple[int, list]]:
@@ -236,10 +239,13 @@ class BreakableCUDAGraphCapture:
         """Memory the break allocated that outlives it, is not part of its result and was
         not marked: a replay would run with it freed or reused (the bug weak references
         cause), so refuse it now with what allocated it."""
-        kept = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes())
-                for t in [*_tensors_in(result), *self._marked]]
+        kept = [(storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+                for storage in (t.untyped_storage() for t in [*tensors_in(result),
+                                                              *self._marked])]
+        # A block is new unless the same address held a block of the same size and stack
+        # before the break (one freed and reallocated in place is new).
         leaked = {address: info for address, info in backend.live_blocks().items()
-                  if address not in before
+                  if before.get(address) != info
                   and not any(start <= address < end or address <= start < address + info[0]
                               for start, end in kept)}
         if leaked:
@@ -247,10 +253,12 @@ class BreakableCUDAGraphCapture:
                      for address, (size, frames) in leaked.items()]
             raise RuntimeError(
                 f"graph break {fn.__module__}.{fn.__qualname__} leaked {len(leaked)} CUDA "
-                f"allocation(s) that outlive it but are not in its result: a replay would "
-                f"read memory the pool may hand to others. Return them, write into a tensor "
-                f"allocated before the break, or mark_break_output() what the break keeps on "
-                f"purpose.\n" + "\n".join(lines))
+                f"allocation(s) that outlive it but are not in its result: if a later "
+                f"segment reads them, each replay reads memory freed or reused since the "
+                f"capture. Return them, write into a tensor allocated before the break, or "
+                f"mark_break_output() what the break keeps on purpose (a workspace a library "
+                f"makes lazily is reported too: warm the code up before capturing).\n"
+                + "\n".join(lines))
 
     def _position(self) -> str:
         breaks = self.graph.num_breaks
@@ -288,31 +296,42 @@ class BreakableCUDAGraphCapture:
             empty = _end_and_check_empty(segment)
         except RuntimeError as error:
             backend.reset_generators()
-            raise RuntimeError(self._unjoined_message(error)) from error
+            raise RuntimeError(self._end_failed_message(error)) from error
         self.graph._add_segment(segment, empty=empty)
 
-    def _unjoined_message(self, error: RuntimeError) -> str:
+    def _end_failed_message(self, error: RuntimeError) -> str:
+        first_line = str(error).splitlines()[0]
+        message = f"{self._position()} of the capture could not end ({first_line})"
+        if "unjoined" not in str(error).lower():
+            return message
         forks = "; ".join(f"{stream} forked in {site}" for stream, site
                           in zip(self._side_streams, self._fork_sites, strict=True))
-        return (f"{self._position()} of the capture could not end ({str(error).splitlines()[0]}). A stream forked "
-                f"from the capture stream must be joined back before a segment ends; bcg "
-                f"joins the ones forked with fork_stream() or wait_stream() "
-                f"({forks or 'none were'}), but not a fork through an event: join that "
-                f"stream yourself (capture_stream.wait_stream(side)) before the break")
+        return (f"{message}. A stream forked from the capture stream must be joined back "
+                f"before a segment ends; bcg joins the ones forked with fork_stream() or "
+                f"wait_stream() ({forks or 'none were'}), but not a fork through an event: "
+                f"join that stream yourself (capture_stream.wait_stream(side)) before the "
+                f"break")
 
     def _abort(self) -> None:
         segment, self._segment = self._segment, None
         if segment is not None:
-            try:
-                segment.capture_end()
-            except Exception:  # the capture may already be invalid; the original error wins
-                pass
+            abandon_capture(segment)
             self.graph._add_segment(segment, empty=True)
         self.graph.reset()
 
     def _unwind(self) -> None:
         while self._restore:
             self._restore.pop()()
+
+
+def abandon_capture(graph: Any) -> None:
+    """End the capture of a CUDA graph whose capture failed midway, so the caller's error
+    stands. If ending fails too (the capture was invalidated), torch's generators are left
+    marked as capturing: unmark them, or every later random op in the process raises."""
+    try:
+        graph.capture_end()
+    except Exception:
+        backend.reset_generators()
 
 
 def _end_and_check_empty(segment: Any) -> bool:
@@ -329,19 +348,6 @@ def _end_and_check_empty(segment: Any) -> bool:
                 warning.message, warning.category, warning.filename, warning.lineno
             )
     return empty
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors of a break result: itself, or inside containers and objects."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for item in value for t in _tensors_in(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors_in(item)]
-    if hasattr(value, "__dict__"):
-        return [t for item in vars(value).values() for t in _tensors_in(item)]
-    return []
 
 
 def _format_frames(frames: list) -> str:

@@ -7,6 +7,7 @@ that returns new tensors at replay must copy them there rather than hand them ba
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import torch
@@ -97,3 +98,27 @@ def _copy_attributes(dst: Any, src: Any) -> Any:
         else:
             object.__setattr__(dst, name, new)  # also works for frozen dataclasses
     return dst
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors `copy_output` would reach in `value`: itself, or inside tuples, lists,
+    dicts and objects' attributes (each object visited once, so cycles end)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif id(item) in seen or isinstance(item, str | bytes | int | float | enum.Enum):
+            return
+        elif isinstance(item, list | tuple | dict):
+            seen.add(id(item))
+            for element in item.values() if isinstance(item, dict) else item:
+                visit(element)
+        elif _has_attributes(item) and not isinstance(item, type):
+            seen.add(id(item))
+            for name in _attribute_names(item):
+                visit(getattr(item, name, None))
+
+    visit(value)
+    return found

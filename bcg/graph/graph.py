@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from bcg.graph.context import _replay_token, next_replay_token
 from bcg.graph.copy_output import copy_output
@@ -57,13 +61,14 @@ class BreakableCUDAGraph:
                 "inside `with BreakableCUDAGraphCapture(graph): ...` first"
             )
         token = _replay_token.set(next_replay_token())
-        index = 0
+        steps = iter(self._steps)  # no per-step bookkeeping: a failure finds its step from it
         try:
-            for index, step in enumerate(self._steps):  # noqa: B007 (read in except)
+            for step in steps:
                 step()
         except Exception as error:
+            label = self._labels[len(self._steps) - operator.length_hint(steps) - 1]
             raise GraphReplayError(
-                f"replay failed in {self._labels[index]}: {type(error).__name__}: {error}"
+                f"replay failed in {label}: {type(error).__name__}: {error}"
             ) from error
         finally:
             _replay_token.reset(token)
@@ -79,17 +84,14 @@ class BreakableCUDAGraph:
             self._empty_segments.append(segment)
             return
         self._segments.append(segment)
-        self._steps.append(segment.replay)
+        self._steps.append(_launcher(segment))
         self._labels.append(f"segment {self._num_breaks}")
 
     def _add_break(self, fn: Callable, args: tuple, kwargs: dict, capture_result: Any) -> None:
         # The step closes over the argument objects and the capture-time result: strong
         # references, so their memory can never be handed to another capture in the pool.
         if capture_result is None:
-
-            def step() -> None:
-                fn(*args, **kwargs)
-
+            step = functools.partial(fn, *args, **kwargs)  # called without a Python frame
         else:
 
             def step() -> None:
@@ -109,3 +111,11 @@ class BreakableCUDAGraph:
 
     def _finish_capture(self) -> None:
         self._captured = True
+
+
+def _launcher(segment: Any) -> Callable[[], None]:
+    """`segment.replay`, minus torch's Python wrapper where the wrapper has nothing to do
+    (no input-liveness tracker, which bcg never asks for): one frame less per segment."""
+    if isinstance(segment, torch.cuda.CUDAGraph) and getattr(segment, "_tracker", None) is None:
+        return super(torch.cuda.CUDAGraph, segment).replay
+    return segment.replay

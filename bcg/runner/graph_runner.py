@@ -31,6 +31,7 @@ from bcg.graph import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BridgeBuffers,
+    abandon_capture,
     eager_on_graph,
     enable_breakable_cuda_graph,
     use_bridge_buffers,
@@ -204,14 +205,17 @@ class GraphRunner:
         with (set_forward_context(context), enable_breakable_cuda_graph(self.mode != "full"),
               use_bridge_buffers(self.bridges)):
             if self.mode == "full":
-                graph = torch.cuda.CUDAGraph()  # not torch.cuda.graph: it syncs and empties
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache
+                # Not torch.cuda.graph: it synchronises and empties the cache every capture.
+                graph = torch.cuda.CUDAGraph()
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.stream):
                     graph.capture_begin(pool=self.pool)
                     try:
                         output = self.stack(input_ids, positions)
-                    finally:
-                        graph.capture_end()
+                    except BaseException:
+                        abandon_capture(graph)
+                        raise
+                    graph.capture_end()
                 return CapturedStack(graph, output, context)
             graph = BreakableCUDAGraph()
             # Debug mode checks that no break leaks memory a replay would then read freed.
