@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from bcg.config import EngineConfig
 from bcg.engine.block_manager import BlockManager
@@ -24,6 +30,11 @@ ARCHS = {
     "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
     "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=32, tie_word_embeddings=False),
+    # 4 experts, top-2; the middle layer dense (mlp_only_layers), the others sparse.
+    "qwen3_moe": lambda: Qwen3MoeConfig(**{**SIZES, "num_hidden_layers": 3}, head_dim=32,
+                                        num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, mlp_only_layers=[1],
+                                        norm_topk_prob=True, tie_word_embeddings=False),
 }
 
 
