@@ -103,6 +103,18 @@ class EngineConfig:
         "after capture, replay every graph bucket on fresh inputs against eager and refuse to "
         "start on a mismatch (catches an op captured that should have been a break)",
     )
+    enable_expert_parallel: bool = _arg(
+        False,
+        "mixture-of-experts models over several ranks: each rank holds an equal share of the "
+        "experts, whole (expert parallel), instead of every expert's share of the intermediate "
+        "dimension; attention and dense layers stay tensor parallel",
+    )
+    ep_dispatch: str = _arg(
+        "allreduce",
+        "how expert parallel reaches the experts: 'allreduce' (every rank has every token, "
+        "computes its own experts' part, one all-reduce sums them; capturable)",
+        choices=("allreduce",),
+    )
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

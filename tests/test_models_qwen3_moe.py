@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
-from bcg.layers.fused_moe import FusedMoE
+from bcg.layers.fused_moe import FusedMoE, select_experts
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import resolve_model
 from bcg.models.config import ModelConfig
@@ -27,6 +27,22 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_moe")
     hf_model = save_tiny_model("qwen3_moe", folder)
     return folder, [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_matches_transformers(renormalize):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3,
+                            norm_topk_prob=renormalize)
+    router = Qwen3MoeTopKRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    router.weight.data = torch.randn(8, 16, generator=generator)
+    hidden = torch.randn(5, 16, generator=generator)
+    _, hf_weights, hf_ids = router(hidden)
+    weights, ids = select_experts(hidden @ router.weight.T, 3, renormalize)
+    assert torch.equal(ids.long(), hf_ids) and torch.allclose(weights, hf_weights)
 
 
 @pytest.mark.parametrize("chunk", [2048, 5])

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo: a model split over 2 (or 4) processes gives the
 logits of the unsplit model (fp32), for Llama (tied head, vocabulary padded), Qwen2
-(biases) and Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated)."""
+(biases), Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated) and Qwen3-MoE (its
+experts split by intermediate dimension, or whole experts per rank: expert parallel)."""
 
 import os
 
@@ -13,6 +14,8 @@ from bcg.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+from bcg.distributed.expert_parallel import set_expert_parallel
+from bcg.layers.fused_moe import FusedMoE
 from tests.hf_tiny import VOCAB, PagedHarness, save_tiny_model
 from tests.numerics import relative_error
 from tests.server_process import free_port
@@ -21,26 +24,38 @@ PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5,
 TOLERANCE = 1e-5
 
 
-def step_logits(folder) -> list[torch.Tensor]:
-    """Prefill every prompt, then one decode step of each: the logits of every row."""
+def step_logits(folder) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    """Prefill every prompt, then one decode step of each: the logits of every row, and the
+    model."""
     harness = PagedHarness(folder)
     seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
     prefill = harness.step(seqs, [len(p) for p in PROMPTS])
     for seq, rows in zip(seqs, prefill, strict=True):
         seq.append_token(int(rows[-1].argmax()))
-    return prefill + harness.step(seqs, [1] * len(seqs))
+    return prefill + harness.step(seqs, [1] * len(seqs)), harness.runner.model
 
 
-def rank_main(rank: int, size: int, port: int, folder, out_path) -> None:
+def expert_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
+    return [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def rank_main(rank: int, size: int, port: int, folder, out_path,
+              expert_parallel_modes: tuple[bool, ...]) -> None:
+    """Build and run the model once per mode (one process group for all: spawning is slow)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     init_tensor_parallel(size, "gloo")
+    results = []
     try:
-        logits = step_logits(folder)
+        for expert_parallel in expert_parallel_modes:
+            set_expert_parallel(expert_parallel)
+            logits, model = step_logits(folder)
+            results.append((logits, expert_shapes(model)))
         if rank == 0:
-            torch.save(logits, out_path)
+            torch.save(results, out_path)
     finally:
+        set_expert_parallel(False)
         destroy_tensor_parallel()
 
 
@@ -49,14 +64,21 @@ def rank_main(rank: int, size: int, port: int, folder, out_path) -> None:
     ("qwen2", 2, {}),
     ("qwen3", 2, {}),
     ("qwen3", 4, {}),  # 4 heads, 2 KV heads: each KV head on two ranks
+    ("qwen3_moe", 2, {}),  # tensor parallel, then expert parallel (experts 0-1, 2-3)
 ])
 def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides):
     save_tiny_model(arch, tmp_path, **overrides)
-    expected = step_logits(tmp_path)
+    expected, model = step_logits(tmp_path)
     out_path = tmp_path / "rank0.pt"
-    mp.spawn(rank_main, args=(size, free_port(), tmp_path, out_path), nprocs=size, join=True)
-    for ours, ref in zip(torch.load(out_path), expected, strict=True):
-        assert relative_error(ours, ref) <= TOLERANCE
+    modes = (False, True) if arch == "qwen3_moe" else (False,)
+    mp.spawn(rank_main, args=(size, free_port(), tmp_path, out_path, modes), nprocs=size,
+             join=True)
+    for expert_parallel, (logits, shapes) in zip(modes, torch.load(out_path), strict=True):
+        for ours, ref in zip(logits, expected, strict=True):
+            assert relative_error(ours, ref) <= TOLERANCE
+        # Expert parallel: a share of the experts, whole; else every expert, a share of each.
+        assert shapes == [(e // size, i, h) if expert_parallel else (e, i // size, h)
+                          for e, i, h in expert_shapes(model)]
 
 
 def test_bad_sizes_are_clear_errors():
