@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bcg.distributed.expert_parallel import set_expert_parallel
 from bcg.distributed.parallel_state import (
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from bcg.distributed.expert_parallel import set_expert_parallel
 from bcg.layers.fused_moe import FusedMoE
 from tests.hf_tiny import VOCAB, PagedHarness, save_tiny_model
 from tests.numerics import relative_error
