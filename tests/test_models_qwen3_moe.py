@@ -1,7 +1,11 @@
 """Qwen3-MoE end to end on a tiny random model against transformers (greedy tokens through
-the engine, whole and chunked prefill), its config, presets and weight loading. Its logits
+the engine, whole and chunked prefill), its config, presets and weight loading (safetensors
+folders and GGUF's stacked experts). Its logits
 are compared with transformers' in test_models_hf.py, the split model in
 test_tensor_parallel.py, the kernel in test_kernels_fused_moe.py."""
+
+import json
+import re
 
 import pytest
 import torch
@@ -16,7 +20,9 @@ from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 from bcg.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from bcg.models.registry import model_class
-from tests.hf_tiny import VOCAB, hf_greedy, save_tiny_model
+from tests.gguf_files import write_gguf
+from tests.hf_tiny import VOCAB, PagedHarness, hf_greedy, save_tiny_model
+from tests.numerics import relative_error
 
 PROMPTS = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((4, 11, 23))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -117,3 +123,64 @@ def test_presets_have_the_published_shapes(name, layers, experts_shape):
         block = Qwen3MoeSparseMoeBlock(config)
     assert isinstance(block.experts, FusedMoE)
     assert tuple(block.experts.gate_up_proj.shape) == experts_shape
+
+
+# Hugging Face -> llama.cpp names of the tensors of one layer (convert_hf_to_gguf's).
+GGUF_LAYER_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def write_moe_gguf(folder, path):
+    """The folder's model as llama.cpp writes a Qwen3-MoE: each layer's experts stacked."""
+    hf = json.loads((folder / "config.json").read_text())
+    tensors, experts = {}, {}
+    for name, weight in load_file(folder / "model.safetensors").items():
+        if name in GGUF_GLOBALS:
+            tensors[GGUF_GLOBALS[name]] = weight.numpy()
+            continue
+        layer, part = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name).groups()
+        expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj", part)
+        if expert:
+            experts.setdefault((layer, expert[2]), {})[int(expert[1])] = weight
+        else:
+            tensors[f"blk.{layer}.{GGUF_LAYER_PARTS[part]}.weight"] = weight.numpy()
+    for (layer, projection), weights in experts.items():
+        stacked = torch.stack([weights[e] for e in sorted(weights)])
+        tensors[f"blk.{layer}.ffn_{projection}_exps.weight"] = stacked.numpy()
+    metadata = {
+        "qwen3moe.attention.head_count": hf["num_attention_heads"],
+        "qwen3moe.attention.head_count_kv": hf["num_key_value_heads"],
+        "qwen3moe.attention.key_length": hf["head_dim"],
+        "qwen3moe.embedding_length": hf["hidden_size"],
+        "qwen3moe.feed_forward_length": hf["intermediate_size"],
+        "qwen3moe.block_count": hf["num_hidden_layers"],
+        "qwen3moe.attention.layer_norm_rms_epsilon": hf["rms_norm_eps"],
+        "qwen3moe.context_length": hf["max_position_embeddings"],
+        "qwen3moe.rope.freq_base": hf["rope_parameters"]["rope_theta"],
+        "qwen3moe.expert_count": hf["num_local_experts"],
+        "qwen3moe.expert_used_count": hf["num_experts_per_tok"],
+        "qwen3moe.expert_feed_forward_length": hf["moe_intermediate_size"],
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(hf["vocab_size"])],
+    }
+    return write_gguf(path, metadata, arch="qwen3moe", tensors=tensors)
+
+
+def test_gguf_with_stacked_experts_gives_the_folders_logits(tiny, tmp_path):
+    folder = tiny[0]
+    path = write_moe_gguf(folder, tmp_path / "moe.gguf")
+    config = resolve_model(str(path)).config
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.norm_topk_prob, config.mlp_only_layers) == (4, 2, 32, True, [1])
+    logits = []
+    for model in (folder, path):
+        harness = PagedHarness(model)
+        seq = harness.new_sequence(PROMPTS[2])
+        logits.append(harness.step([seq], [seq.num_tokens])[0])
+    assert relative_error(logits[1], logits[0]) <= 1e-5  # the GGUF's eps is float32
