@@ -53,6 +53,13 @@ def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB", **ove
     return model
 
 
+def save_tiny_model_and_greedy(arch: str, folder: Path, prompts: list[list[int]],
+                               max_tokens: int) -> tuple[Path, list[list[int]]]:
+    """A tiny random `arch` saved in `folder`, and transformers' greedy tokens per prompt."""
+    hf_model = save_tiny_model(arch, folder)
+    return folder, [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+
+
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     device = next(model.parameters()).device
     with torch.no_grad():

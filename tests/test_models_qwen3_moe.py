@@ -21,7 +21,7 @@ from bcg.models.presets import PRESETS
 from bcg.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from bcg.models.registry import model_class
 from tests.gguf_files import write_gguf
-from tests.hf_tiny import VOCAB, PagedHarness, hf_greedy, save_tiny_model
+from tests.hf_tiny import VOCAB, PagedHarness, save_tiny_model_and_greedy
 from tests.numerics import relative_error
 
 PROMPTS = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((4, 11, 23))]
@@ -31,8 +31,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_moe")
-    hf_model = save_tiny_model("qwen3_moe", folder)
-    return folder, [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
+    return save_tiny_model_and_greedy("qwen3_moe", folder, PROMPTS, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -53,13 +53,8 @@ def moe_tiles(num_choices: int, num_experts: int, on_cuda: bool) -> MoETiles:
     return configs.for_device(on_cuda)
 
 
-def fused_experts(
-    hidden_states: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
+def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """`sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t])`, as
     `bcg.layers.moe_ref.fused_experts_ref` (same arguments; ids -1 add nothing)."""
     num_tokens, hidden = hidden_states.shape
