@@ -47,8 +47,16 @@ def reference(hidden_states, gate_up, down, topk_weights, topk_ids) -> torch.Ten
 CPU_SHAPES = [(1, 8, 2), (7, 8, 3), (13, 5, 2), (40, 4, 2)]
 
 
+@pytest.fixture(params=["one-launch", "torch"])
+def align_path(request, monkeypatch):
+    """Both alignments: one kernel launch (small steps) and PyTorch ops (large steps)."""
+    if request.param == "torch":
+        monkeypatch.setattr(fused_moe, "ONE_LAUNCH_ALIGN_CHOICES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
-def test_kernel_matches_reference(shape):
+def test_kernel_matches_reference(shape, align_path):
     case = make_case(*shape, hidden=64, intermediate=48, seed=sum(shape))
     out = fused_moe.fused_experts(*case)
     tolerance = CPU_TOLERANCE if DTYPE == torch.float32 else BF16_TOLERANCE
@@ -58,7 +66,7 @@ def test_kernel_matches_reference(shape):
 
 # The rows of skipped choices between the GEMMs are never written: SiLU may overflow on them.
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_experts_of_other_ranks_add_nothing():
+def test_experts_of_other_ranks_add_nothing(align_path):
     """Expert parallel marks another rank's experts -1: skipped, as in the reference."""
     hidden_states, gate_up, down, topk_weights, topk_ids = make_case(9, 6, 3, 64, 48, seed=3)
     topk_ids = torch.where(topk_ids >= 4, -1, topk_ids)  # this rank holds experts 0-3
@@ -68,7 +76,7 @@ def test_experts_of_other_ranks_add_nothing():
     assert relative_error(fused_moe.fused_experts(*case), reference(*case)) <= tolerance
 
 
-def test_alignment_groups_every_choice_under_its_expert():
+def test_alignment_groups_every_choice_under_its_expert(align_path):
     topk_ids = torch.tensor([[2, 0], [2, -1], [1, 2], [2, 0], [-1, 1]], dtype=torch.int32)
     block_m = 4
     alignment = fused_moe.align_to_experts(topk_ids.to(DEVICE), 3, block_m)
@@ -84,6 +92,19 @@ def test_alignment_groups_every_choice_under_its_expert():
         real = [c for c in rows if c < len(flat)]
         assert all(flat[c] == (expert if expert >= 0 else -1) for c in real)
     assert sorted(c for c in sorted_choices.tolist() if c < len(flat)) == list(range(len(flat)))
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [
+    (1, 128, 8, 16), (9, 6, 3, 16), (70, 8, 2, 32), (130, 128, 8, 16),
+])
+def test_both_alignments_are_identical(monkeypatch, num_tokens, num_experts, top_k, block_m):
+    ids = make_case(num_tokens, num_experts, top_k, 8, 8, seed=num_tokens)[4]
+    ids[::5, 0] = -1  # some choices on other ranks
+    one_launch = fused_moe.align_to_experts(ids, num_experts, block_m)
+    monkeypatch.setattr(fused_moe, "ONE_LAUNCH_ALIGN_CHOICES", 0)
+    with_torch = fused_moe.align_to_experts(ids, num_experts, block_m)
+    for field in ("sorted_choices", "tile_experts", "num_padded"):
+        assert torch.equal(getattr(one_launch, field), getattr(with_torch, field)), field
 
 
 def test_alignment_shapes_depend_only_on_the_sizes():
@@ -110,16 +131,17 @@ def test_kernel_matches_reference_bf16(num_tokens, num_experts, top_k):
 
 
 @pytest.mark.gpu
-def test_kernel_replays_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("num_tokens", [64, 512])  # aligned in one launch / by PyTorch ops
+def test_kernel_replays_in_a_cuda_graph_with_new_routing(num_tokens):
     """Captured once, replayed on another routing: no host sync, no shape from the data."""
-    case = make_case(64, 128, 8, 2048, 768, seed=1, dtype=torch.bfloat16,
+    case = make_case(num_tokens, 128, 8, 2048, 768, seed=1, dtype=torch.bfloat16,
                      device=torch.device("cuda"))
     hidden_states, gate_up, down, topk_weights, topk_ids = case
     fused_moe.fused_experts(*case)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe.fused_experts(*case)
-    fresh = make_case(64, 128, 8, 2048, 768, seed=2, dtype=torch.bfloat16,
+    fresh = make_case(num_tokens, 128, 8, 2048, 768, seed=2, dtype=torch.bfloat16,
                       device=torch.device("cuda"))
     for static, new in zip(case, fresh, strict=True):
         if static is not gate_up and static is not down:

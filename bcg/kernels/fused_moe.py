@@ -3,7 +3,8 @@
 1. `align_to_experts` sorts the token-expert choices by expert and pads each expert's run
    to a multiple of the row tile, so every row tile belongs to one expert. It runs on the
    device with no host sync, into shapes fixed by (tokens, top-k, experts, tile): a CUDA
-   graph captured for a token count serves any routing.
+   graph captured for a token count serves any routing. Decode-sized steps align in one
+   kernel launch, larger ones with a dozen PyTorch ops.
 2. A grouped GEMM multiplies each tile's token rows by its expert's `gate_up` weight.
 3. SiLU-and-mul (`bcg.kernels.activation`).
 4. The same GEMM by the expert's `down` weight, scaled by the routing weight of each choice.
@@ -21,7 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import CachedLauncher, DeviceConfigs, require_last_dim_contiguous
+from bcg.kernels._launch import (
+    CachedLauncher,
+    DeviceConfigs,
+    next_power_of_2,
+    require_last_dim_contiguous,
+)
 from bcg.kernels.activation import silu_and_mul
 from bcg.utils import cdiv
 
@@ -85,9 +91,27 @@ class ExpertAlignment:
     num_choices: int
 
 
+# Up to this many choices (decode steps) one program aligns them in one launch; larger
+# steps use a dozen parallel PyTorch ops, whose launches a long step amortises.
+ONE_LAUNCH_ALIGN_CHOICES = 1024
+ALIGN_CHUNK = 64  # choices the one-launch kernel reads at a time
+
+
 def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
-    """Group the choices of `topk_ids` (`[T, K]`, -1: another rank's expert) by expert, each
-    group padded to a multiple of `block_m` rows; all on the device, no host sync."""
+    """Group the choices of `topk_ids` (`[T, K]`, -1: another rank's expert) by expert in
+    the order of their index, each group padded to a multiple of `block_m` rows; all on the
+    device, no host sync."""
+    num_choices = topk_ids.numel()
+    # Each non-empty group pads fewer than block_m rows and holds at least one choice.
+    capacity = min(num_choices + (num_experts + 1) * (block_m - 1), num_choices * block_m)
+    num_tiles = cdiv(capacity, block_m)
+    if num_choices <= ONE_LAUNCH_ALIGN_CHOICES:
+        return _align_in_one_launch(topk_ids, num_experts, block_m, num_tiles)
+    return _align_with_torch(topk_ids, num_experts, block_m, num_tiles)
+
+
+def _align_with_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                      num_tiles: int) -> ExpertAlignment:
     num_choices = topk_ids.numel()
     device = topk_ids.device
     flat = topk_ids.flatten().long()
@@ -101,9 +125,6 @@ def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     group_start = counts.cumsum(0) - counts
     padded_start = torch.cat([padded_end.new_zeros(1), padded_end[:-1]])
     rank_in_group = torch.arange(num_choices, device=device) - group_start[sorted_groups]
-    # Each non-empty group pads fewer than block_m rows and holds at least one choice.
-    capacity = min(num_choices + (num_experts + 1) * (block_m - 1), num_choices * block_m)
-    num_tiles = cdiv(capacity, block_m)
     sorted_choices = torch.full((num_tiles * block_m,), num_choices, dtype=torch.int32,
                                 device=device)
     sorted_choices.scatter_(0, padded_start[sorted_groups] + rank_in_group,
@@ -113,6 +134,89 @@ def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     tile_experts = torch.where(tile_groups < num_experts, tile_groups, -1).to(torch.int32)
     return ExpertAlignment(sorted_choices, tile_experts, padded_end[-1:].to(torch.int32),
                            num_choices)
+
+
+def _align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                         num_tiles: int) -> ExpertAlignment:
+    num_choices = topk_ids.numel()
+    device = topk_ids.device
+    alignment = ExpertAlignment(
+        torch.empty(num_tiles * block_m, dtype=torch.int32, device=device),
+        torch.empty(num_tiles, dtype=torch.int32, device=device),
+        torch.empty(1, dtype=torch.int32, device=device),
+        num_choices,
+    )
+    _launch_align(
+        (1,),
+        (topk_ids.to(torch.int32).contiguous(), alignment.sorted_choices,
+         alignment.tile_experts, alignment.num_padded),
+        (num_choices,),
+        {"NUM_EXPERTS": num_experts, "NUM_TILES": num_tiles, "BLOCK_M": block_m,
+         "GROUPS": next_power_of_2(num_experts + 1), "CHUNK": ALIGN_CHUNK},
+        num_warps=8,
+        num_stages=1,
+    )
+    return alignment
+
+
+@triton.jit(do_not_specialize=["num_choices"])
+def _align_kernel(
+    topk_ids_ptr, sorted_choices_ptr, tile_experts_ptr, num_padded_ptr,
+    num_choices,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUPS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: count each group (expert, then NUM_EXPERTS for skipped choices), lay the
+    padded groups out, mark each tile's expert, then place each choice at its group's start
+    plus its rank among the group's earlier choices."""
+    groups = tl.arange(0, GROUPS)
+    counts = tl.zeros((GROUPS,), dtype=tl.int32)
+    for start in range(0, num_choices, CHUNK):
+        one_hot = _choices_one_hot(topk_ids_ptr, start, num_choices, groups, NUM_EXPERTS, CHUNK)
+        counts += tl.sum(one_hot, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+    for first_tile in range(0, NUM_TILES, CHUNK):
+        tiles = first_tile + tl.arange(0, CHUNK)
+        # A tile's group is the number of groups ending at or before its first row.
+        ended = padded_end[None, :] <= tiles[:, None] * BLOCK_M
+        tile_group = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(tile_experts_ptr + tiles, tl.where(tile_group < NUM_EXPERTS, tile_group, -1),
+                 mask=tiles < NUM_TILES)
+        rows = first_tile * BLOCK_M + tl.arange(0, CHUNK * BLOCK_M)
+        tl.store(sorted_choices_ptr + rows, tl.full(rows.shape, 0, tl.int32) + num_choices,
+                 mask=rows < NUM_TILES * BLOCK_M)
+    tl.debug_barrier()  # the padding above is written before the choices below
+
+    placed = tl.zeros((GROUPS,), dtype=tl.int32)
+    for start in range(0, num_choices, CHUNK):
+        one_hot = _choices_one_hot(topk_ids_ptr, start, num_choices, groups, NUM_EXPERTS, CHUNK)
+        earlier = tl.cumsum(one_hot, axis=0) - one_hot + (padded_start + placed)[None, :]
+        row = tl.sum(one_hot * earlier, axis=1)
+        choices = start + tl.arange(0, CHUNK)
+        tl.store(sorted_choices_ptr + row, choices, mask=choices < num_choices)
+        placed += tl.sum(one_hot, axis=0)
+
+
+@triton.jit
+def _choices_one_hot(topk_ids_ptr, start, num_choices, groups, NUM_EXPERTS: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """`[CHUNK, GROUPS]` int32: row i marks the group of choice `start + i` (none past the
+    end)."""
+    choices = start + tl.arange(0, CHUNK)
+    ids = tl.load(topk_ids_ptr + choices, mask=choices < num_choices, other=0)
+    group = tl.where(ids < 0, NUM_EXPERTS, ids)
+    group = tl.where(choices < num_choices, group, -1)
+    return (group[:, None] == groups[None, :]).to(tl.int32)
+
+
+_launch_align = CachedLauncher(_align_kernel)
 
 
 def _grouped_gemm(
@@ -167,9 +271,9 @@ def _grouped_gemm_kernel(
 ):
     # Grouped launch order: GROUP_M row tiles sweep the columns together.
     pid = tl.program_id(0)
-    num_tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles_m = tl.num_programs(0) // num_tiles_n
-    group_size: tl.constexpr = GROUP_M * num_tiles_n
+    group_size = GROUP_M * num_tiles_n
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_tiles_m - first_m, GROUP_M)
     tile_m = first_m + (pid % group_size) % rows_in_group
