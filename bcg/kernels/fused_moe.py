@@ -60,9 +60,11 @@ def moe_tiles(num_choices: int, num_experts: int, on_cuda: bool) -> MoETiles:
 
 
 def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  tiles: MoETiles | None = None) -> torch.Tensor:
     """`sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t])`, as
-    `bcg.layers.moe_ref.fused_experts_ref` (same arguments; ids -1 add nothing)."""
+    `bcg.layers.moe_ref.fused_experts_ref` (same arguments; ids -1 add nothing). `tiles`
+    overrides the default for the step's size (benchmarks tune with it)."""
     num_tokens, hidden = hidden_states.shape
     num_experts, double_intermediate, _ = gate_up.shape
     top_k = topk_ids.shape[1]
@@ -70,7 +72,7 @@ def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torc
     if num_tokens == 0:
         return hidden_states.new_empty(0, hidden)
     num_choices = num_tokens * top_k
-    tiles = moe_tiles(num_choices, num_experts, hidden_states.is_cuda)
+    tiles = tiles or moe_tiles(num_choices, num_experts, hidden_states.is_cuda)
     alignment = align_to_experts(topk_ids, num_experts, tiles.block_m)
     weights = topk_weights.to(torch.float32).contiguous()
     gate_up_out = hidden_states.new_empty(num_choices, double_intermediate)
