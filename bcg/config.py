@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from bcg.distributed.expert_parallel import DISPATCH_MODES
 from bcg.models.presets import PRESETS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,9 +112,11 @@ class EngineConfig:
     )
     ep_dispatch: str = _arg(
         "allreduce",
-        "how expert parallel reaches the experts: 'allreduce' (every rank has every token, "
-        "computes its own experts' part, one all-reduce sums them; capturable)",
-        choices=("allreduce",),
+        "how expert parallel reaches the experts: 'allreduce' (every rank computes its "
+        "experts' part of every token, one all-reduce sums them; capturable), 'alltoall' "
+        "(each token goes only to its experts' ranks and back; sizes known only on the host, "
+        "so a graph break: needs --decode-graph breakable or none)",
+        choices=DISPATCH_MODES,
     )
 
     def __post_init__(self) -> None:
@@ -141,6 +144,10 @@ class EngineConfig:
             require(getattr(self, name) is None or _is_size_list(getattr(self, name)),
                    f"{name} must be comma-separated positive integers like '16,64,256', got "
                    f"{getattr(self, name)!r}")
+        require(not (self.enable_expert_parallel and self.ep_dispatch == "alltoall"
+                     and self.decode_graph == "full" and self.torch_device.type == "cuda"),
+                "--ep-dispatch alltoall exchanges tokens in sizes only the host knows, which a "
+                "full decode graph cannot hold: add --decode-graph breakable (or none)")
         require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
 

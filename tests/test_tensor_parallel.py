@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU with gloo: a model split over 2 (or 4) processes gives the
 logits of the unsplit model (fp32), for Llama (tied head, vocabulary padded), Qwen2
 (biases), Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated) and Qwen3-MoE (its
-experts split by intermediate dimension, or whole experts per rank: expert parallel)."""
+experts split by intermediate dimension, or whole experts per rank: expert parallel, by
+all-reduce or all-to-all dispatch)."""
 
 import os
 
@@ -25,14 +26,16 @@ TOLERANCE = 1e-5
 
 
 def step_logits(folder) -> tuple[list[torch.Tensor], torch.nn.Module]:
-    """Prefill every prompt, then one decode step of each: the logits of every row, and the
-    model."""
+    """Prefill every prompt, one decode step of each, then one of the first alone (a single
+    token: fewer than the ranks): the logits of every row, and the model."""
     harness = PagedHarness(folder)
     seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
     prefill = harness.step(seqs, [len(p) for p in PROMPTS])
     for seq, rows in zip(seqs, prefill, strict=True):
         seq.append_token(int(rows[-1].argmax()))
-    return prefill + harness.step(seqs, [1] * len(seqs)), harness.runner.model
+    decode = harness.step(seqs, [1] * len(seqs))
+    seqs[0].append_token(int(decode[0][-1].argmax()))
+    return prefill + decode + harness.step(seqs[:1], [1]), harness.runner.model
 
 
 def expert_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
@@ -40,16 +43,17 @@ def expert_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
 
 
 def rank_main(rank: int, size: int, port: int, folder, out_path,
-              expert_parallel_modes: tuple[bool, ...]) -> None:
-    """Build and run the model once per mode (one process group for all: spawning is slow)."""
+              modes: tuple[tuple[bool, str], ...]) -> None:
+    """Build and run the model once per (expert parallel, dispatch) mode (one process group
+    for all: spawning is slow)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     init_tensor_parallel(size, "gloo")
     results = []
     try:
-        for expert_parallel in expert_parallel_modes:
-            set_expert_parallel(expert_parallel)
+        for expert_parallel, dispatch in modes:
+            set_expert_parallel(expert_parallel, dispatch)
             logits, model = step_logits(folder)
             results.append((logits, expert_shapes(model)))
         if rank == 0:
@@ -64,16 +68,19 @@ def rank_main(rank: int, size: int, port: int, folder, out_path,
     ("qwen2", 2, {}),
     ("qwen3", 2, {}),
     ("qwen3", 4, {}),  # 4 heads, 2 KV heads: each KV head on two ranks
-    ("qwen3_moe", 2, {}),  # tensor parallel, then expert parallel (experts 0-1, 2-3)
+    # Tensor parallel, then expert parallel (experts 0-1, 2-3) by all-reduce and all-to-all.
+    ("qwen3_moe", 2, {}),
 ])
 def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides):
     save_tiny_model(arch, tmp_path, **overrides)
     expected, model = step_logits(tmp_path)
     out_path = tmp_path / "rank0.pt"
-    modes = (False, True) if arch == "qwen3_moe" else (False,)
+    modes = ((False, "allreduce"),)
+    if arch == "qwen3_moe":
+        modes += ((True, "allreduce"), (True, "alltoall"))
     mp.spawn(rank_main, args=(size, free_port(), tmp_path, out_path, modes), nprocs=size,
              join=True)
-    for expert_parallel, (logits, shapes) in zip(modes, torch.load(out_path), strict=True):
+    for (expert_parallel, _), (logits, shapes) in zip(modes, torch.load(out_path), strict=True):
         for ours, ref in zip(logits, expected, strict=True):
             assert relative_error(ours, ref) <= TOLERANCE
         # Expert parallel: a share of the experts, whole; else every expert, a share of each.

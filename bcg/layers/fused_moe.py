@@ -4,8 +4,9 @@ All experts of a layer live in two stacked weights, `gate_up_proj` `[E, 2 * I, H
 `down_proj` `[E, H, I]` (checkpoints hold one tensor per expert and projection: they are
 stacked as they load). Over tensor-parallel ranks, either each rank holds every expert with
 its share of the intermediate dimension (tensor parallel), or a share of the experts whole
-(expert parallel, `bcg.distributed.expert_parallel`); in both the tokens are the same on
-every rank and one all-reduce sums the ranks' parts.
+(expert parallel, `bcg.distributed.expert_parallel`). The tokens are the same on every
+rank; one all-reduce sums the ranks' parts, or under expert parallel with all-to-all
+dispatch, tokens travel to their experts' ranks and back (`bcg.layers.moe_alltoall`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bcg.distributed.expert_parallel import expert_parallel_enabled
+from bcg.distributed.expert_parallel import expert_parallel
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.layers import triton_ops
 from bcg.layers.linear import copy_checked
+from bcg.layers.moe_alltoall import alltoall_experts
 from bcg.layers.moe_ref import fused_experts_ref
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -41,7 +43,9 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp = tensor_parallel()
         self.num_experts = num_experts
-        if expert_parallel_enabled():
+        placement = expert_parallel()
+        self.alltoall = placement.enabled and placement.dispatch == "alltoall" and self.tp.size > 1
+        if placement.enabled:
             self.first_expert, local_experts = self.tp.shard(num_experts, "num_experts")
             self.intermediate_start, local_intermediate = 0, intermediate_size
         else:
@@ -59,15 +63,20 @@ class FusedMoE(nn.Module):
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """`[T, H]` tokens, their `[T, K]` routing weights and global expert ids -> `[T, H]`,
         the same on every rank."""
+        if self.alltoall:
+            return alltoall_experts(self, hidden_states, topk_weights, topk_ids)
         if self.local_experts != self.num_experts:
             topk_ids = self.local_expert_ids(topk_ids)
+        return self.tp.all_reduce(self.compute(hidden_states, topk_weights, topk_ids))
+
+    def compute(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on `hidden_states`, routed by local expert ids (-1: skip)."""
         if triton_ops.uses_moe_kernel(hidden_states):
-            out = triton_ops.fused_experts(hidden_states, self.gate_up_proj, self.down_proj,
-                                           topk_weights, topk_ids)
-        else:
-            out = fused_experts_ref(hidden_states, self.gate_up_proj, self.down_proj,
-                                    topk_weights, topk_ids)
-        return self.tp.all_reduce(out)
+            return triton_ops.fused_experts(hidden_states, self.gate_up_proj, self.down_proj,
+                                            topk_weights, topk_ids)
+        return fused_experts_ref(hidden_states, self.gate_up_proj, self.down_proj,
+                                 topk_weights, topk_ids)
 
     def local_expert_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's indices, -1 for experts held by other ranks."""
