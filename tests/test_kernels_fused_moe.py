@@ -149,3 +149,14 @@ def test_kernel_replays_in_a_cuda_graph_with_new_routing(num_tokens):
             static.copy_(new)
     graph.replay()
     assert relative_error(out, reference(*case)) <= BF16_TOLERANCE
+
+
+def test_compiled_stack_calls_the_kernel_as_one_opaque_op():
+    """Under torch.compile (the piecewise baseline) the kernel is traced as the op
+    `bcg::fused_experts`, without a graph break."""
+    from bcg.layers import triton_ops
+
+    case = make_case(7, 8, 2, 64, 48, seed=5)
+    compiled = torch.compile(triton_ops.fused_experts, backend="eager", fullgraph=True)
+    tolerance = CPU_TOLERANCE if DTYPE == torch.float32 else BF16_TOLERANCE
+    assert relative_error(compiled(*case), reference(*case)) <= tolerance

@@ -58,7 +58,11 @@ def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torc
 
 
 if HAVE_TRITON:
-    @torch.library.custom_op("bcg::fused_experts", mutates_args=())
+    @torch.library.custom_op(
+        "bcg::fused_experts", mutates_args=(),
+        schema="(Tensor hidden_states, Tensor gate_up, Tensor down, Tensor topk_weights, "
+               "Tensor topk_ids) -> Tensor",  # explicit: this module's annotations are strings
+    )
     def _fused_experts_op(hidden_states: torch.Tensor, gate_up: torch.Tensor,
                           down: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor) -> torch.Tensor:
