@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from bcg.distributed.expert_parallel import DISPATCH_MODES
 from bcg.models.presets import PRESETS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,6 +110,20 @@ class EngineConfig:
         "after capture, replay every graph bucket on fresh inputs against eager and refuse to "
         "start on a mismatch (catches an op captured that should have been a break)",
     )
+    enable_expert_parallel: bool = _arg(
+        False,
+        "mixture-of-experts models over several ranks: each rank holds an equal share of the "
+        "experts, whole (expert parallel), instead of every expert's share of the intermediate "
+        "dimension; attention and dense layers stay tensor parallel",
+    )
+    ep_dispatch: str = _arg(
+        "allreduce",
+        "how expert parallel reaches the experts: 'allreduce' (every rank computes its "
+        "experts' part of every token, one all-reduce sums them; capturable), 'alltoall' "
+        "(each token goes only to its experts' ranks and back; sizes known only on the host, "
+        "so a graph break: needs --decode-graph breakable or none)",
+        choices=DISPATCH_MODES,
+    )
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -141,6 +156,10 @@ class EngineConfig:
             require(getattr(self, name) is None or _is_size_list(getattr(self, name)),
                    f"{name} must be comma-separated positive integers like '16,64,256', got "
                    f"{getattr(self, name)!r}")
+        require(not (self.enable_expert_parallel and self.ep_dispatch == "alltoall"
+                     and self.decode_graph == "full" and self.torch_device.type == "cuda"),
+                "--ep-dispatch alltoall exchanges tokens in sizes only the host knows, which a "
+                "full decode graph cannot hold: add --decode-graph breakable (or none)")
         require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from bcg.config import EngineConfig
 from bcg.engine.block_manager import BlockManager
@@ -24,6 +30,11 @@ ARCHS = {
     "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
     "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=32, tie_word_embeddings=False),
+    # 4 experts, top-2; the middle layer dense (mlp_only_layers), the others sparse.
+    "qwen3_moe": lambda: Qwen3MoeConfig(**{**SIZES, "num_hidden_layers": 3}, head_dim=32,
+                                        num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, mlp_only_layers=[1],
+                                        norm_topk_prob=True, tie_word_embeddings=False),
 }
 
 
@@ -40,6 +51,13 @@ def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB", **ove
             param.normal_(0.0, 0.15)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return model
+
+
+def save_tiny_model_and_greedy(arch: str, folder: Path, prompts: list[list[int]],
+                               max_tokens: int) -> tuple[Path, list[list[int]]]:
+    """A tiny random `arch` saved in `folder`, and transformers' greedy tokens per prompt."""
+    hf_model = save_tiny_model(arch, folder)
+    return folder, [hf_greedy(hf_model, p, max_tokens) for p in prompts]
 
 
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:

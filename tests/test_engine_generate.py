@@ -6,7 +6,7 @@ import torch
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.sequence import Sequence
-from tests.hf_tiny import VOCAB, hf_greedy, save_tiny_model
+from tests.hf_tiny import VOCAB, save_tiny_model_and_greedy
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 30))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -14,9 +14,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3")
-    hf_model = save_tiny_model("qwen3", folder)
-    return folder, [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
+    return save_tiny_model_and_greedy("qwen3", tmp_path_factory.mktemp("qwen3"), PROMPTS,
+                                      GREEDY.max_tokens)
 
 
 def make_llm(folder, **engine_args) -> LLM:

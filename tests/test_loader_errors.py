@@ -4,7 +4,6 @@ by the loader before any weights load."""
 import os
 import struct
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,6 +13,7 @@ from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import is_hub_id, looks_like_path, resolve_model
 from bcg.loader.tokenizer import load_tokenizer
 from tests.builtin_model import require_builtin_model
+from tests.gguf_files import write_gguf
 from tests.hf_tiny import save_tiny_model
 
 LLAMA_METADATA = {
@@ -25,31 +25,6 @@ LLAMA_METADATA = {
     "llama.context_length": 128,
     "tokenizer.ggml.tokens": [f"t{i}" for i in range(16)],
 }
-
-
-def write_gguf(path, metadata: dict, arch: str = "llama", tensors: dict | None = None):
-    """A small GGUF file through the `gguf` package's writer."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in metadata.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
-    for name, array in (tensors or {"token_embd.weight": np.zeros((16, 64), np.float32)}).items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def test_a_written_gguf_reads_back(tmp_path):

@@ -68,11 +68,24 @@ class TensorParallel:
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` side by side along the last dimension, in rank order."""
-        if self.size == 1:
-            return x
+        return x if self.size == 1 else torch.cat(self._all_gather(x), dim=-1)
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` stacked along the first dimension, in rank order."""
+        return x if self.size == 1 else torch.cat(self._all_gather(x))
+
+    def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return parts
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        """Send the rows of `x`, in blocks of `send_counts` rows, block r to rank r; returns
+        the `recv_counts` rows each rank sent here, in rank order (the host must know both)."""
+        out = x.new_empty(sum(recv_counts), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group)
+        return out
 
 
 _current = TensorParallel()

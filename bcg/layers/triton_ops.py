@@ -15,6 +15,7 @@ try:
     from bcg.kernels.activation import silu_and_mul
     from bcg.kernels.decode_attention import decode_attention, plan_decode
     from bcg.kernels.extend_attention import extend_attention
+    from bcg.kernels.fused_moe import fused_experts as fused_experts_kernel
     from bcg.kernels.kv_store import store_kv
     from bcg.kernels.rmsnorm import add_rms_norm, rms_norm
     from bcg.kernels.rotary import apply_rotary
@@ -24,8 +25,8 @@ except ImportError:
     HAVE_TRITON = False
 
 __all__ = ["add_rms_norm", "apply_rotary", "decode_attention", "extend_attention",
-           "plan_decode", "rms_norm", "silu_and_mul", "store_kv", "use_fused_kernels",
-           "uses_triton"]
+           "fused_experts", "plan_decode", "rms_norm", "silu_and_mul", "store_kv",
+           "use_fused_kernels", "uses_moe_kernel", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -40,3 +41,33 @@ def uses_triton(device: torch.device) -> bool:
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def uses_moe_kernel(x: torch.Tensor) -> bool:
+    """Mixture-of-experts layers run the fused kernel on CUDA, compiled or not: the
+    reference reads expert counts on the host, which neither a graph nor the compiler takes."""
+    return HAVE_TRITON and x.is_cuda
+
+
+def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The fused MoE kernel; under `torch.compile` an opaque op the compiler calls as is."""
+    if torch.compiler.is_compiling():
+        return torch.ops.bcg.fused_experts(hidden_states, gate_up, down, topk_weights, topk_ids)
+    return fused_experts_kernel(hidden_states, gate_up, down, topk_weights, topk_ids)
+
+
+if HAVE_TRITON:
+    @torch.library.custom_op(
+        "bcg::fused_experts", mutates_args=(),
+        schema="(Tensor hidden_states, Tensor gate_up, Tensor down, Tensor topk_weights, "
+               "Tensor topk_ids) -> Tensor",  # explicit: this module's annotations are strings
+    )
+    def _fused_experts_op(hidden_states: torch.Tensor, gate_up: torch.Tensor,
+                          down: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts_kernel(hidden_states, gate_up, down, topk_weights, topk_ids)
+
+    @_fused_experts_op.register_fake
+    def _(hidden_states: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(hidden_states)

@@ -15,6 +15,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 _GLOBAL_NAMES = {
@@ -34,8 +35,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# All experts of a layer in one tensor, `[experts, rows, columns]`.
+_STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_DENSE_MLP = re.compile(r"blk\.(\d+)\.ffn_gate\.weight")
 
 
 def read_gguf_config(gguf: GGUFFile) -> dict:
@@ -70,6 +75,18 @@ def read_gguf_config(gguf: GGUFFile) -> dict:
 
     number = (int, float)
     heads = required(f"{arch}.attention.head_count")
+    moe = {}
+    if f"{arch}.expert_count" in meta:
+        moe = {
+            "num_experts": required(f"{arch}.expert_count"),
+            "num_experts_per_tok": required(f"{arch}.expert_used_count"),
+            "moe_intermediate_size": required(f"{arch}.expert_feed_forward_length"),
+            # llama.cpp always renormalises Qwen3-MoE's top-k routing weights.
+            "norm_topk_prob": meta.get(f"{arch}.expert_weights_norm", True),
+            # GGUF has no mlp_only_layers: the layers holding a dense MLP are they.
+            "mlp_only_layers": sorted(int(m.group(1)) for m in map(_DENSE_MLP.fullmatch, names)
+                                      if m),
+        }
     return {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": len(required("tokenizer.ggml.tokens", list)),
@@ -84,13 +101,22 @@ def read_gguf_config(gguf: GGUFFile) -> dict:
         "max_position_embeddings": required(f"{arch}.context_length"),
         "tie_word_embeddings": "output.weight" not in names,
         "eos_token_id": checked("tokenizer.ggml.eos_token_id"),
+        **moe,
     }
 
 
 def iter_gguf_tensors(gguf: GGUFFile, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor, dequantised to fp32, under its Hugging Face name."""
+    """Every tensor, dequantised to fp32, under its Hugging Face name (stacked experts as
+    one tensor per expert, as Hugging Face checkpoints hold them)."""
     permute_qk = config["architectures"][0] == "LlamaForCausalLM"
     for tensor in gguf.tensors:
+        stacked = _STACKED_EXPERTS.fullmatch(tensor.name)
+        if stacked:
+            layer, projection = stacked.groups()
+            prefix = f"model.layers.{layer}.mlp.experts"
+            for expert, weight in enumerate(torch.from_numpy(gguf.dequantized(tensor))):
+                yield f"{prefix}.{expert}.{projection}_proj.weight", weight
+            continue
         name = hf_tensor_name(tensor.name)
         weight = torch.from_numpy(gguf.dequantized(tensor))
         if permute_qk and ".q_proj." in name:

@@ -40,6 +40,7 @@ _FILE_SUFFIXES = (".gguf", ".json", ".safetensors", ".bin")
 _POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim",
                     "max_position_embeddings")
+_MOE_POSITIVE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 
 ERROR_LIMIT = 300  # characters of a library's error quoted in ours
 
@@ -153,10 +154,13 @@ def _model_config(hf_config: dict, origin: Path) -> ModelConfig:
     if config.architecture not in ARCHITECTURES:
         raise ValueError(f"{origin}: architecture {config.architecture!r} is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    for field in _POSITIVE_FIELDS:
+    for field in _POSITIVE_FIELDS + (_MOE_POSITIVE_FIELDS if config.num_experts else ()):
         value = getattr(config, field)
         if not (is_int(value) and value > 0):
             raise ValueError(f"{origin}: {field} must be a positive integer, got {value!r}")
+    if config.num_experts_per_tok > config.num_experts:
+        raise ValueError(f"{origin}: num_experts_per_tok ({config.num_experts_per_tok}) exceeds "
+                         f"num_experts ({config.num_experts})")
     return config
 
 

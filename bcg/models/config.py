@@ -23,6 +23,18 @@ class ModelConfig:
     mlp_bias: bool = False
     rope_scaling: dict | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (Qwen3-MoE); num_experts 0: every layer dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` has experts (Hugging Face's rule for Qwen3-MoE)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> ModelConfig:
@@ -50,6 +62,13 @@ class ModelConfig:
             mlp_bias=hf.get("mlp_bias", False),
             rope_scaling=rope_scaling,
             eos_token_ids=as_id_list(hf.get("eos_token_id")),
+            # Published configs say num_experts; transformers 5 saves num_local_experts.
+            num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+            norm_topk_prob=hf.get("norm_topk_prob", False),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=list(hf.get("mlp_only_layers") or []),
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -71,10 +73,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, self_attn: LlamaAttention, config: ModelConfig) -> None:
+    def __init__(self, self_attn: LlamaAttention, mlp: nn.Module, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,8 +95,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+MLPFactory = Callable[[ModelConfig, int], nn.Module]  # (config, layer id) -> the layer's MLP
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool,
+                 build_mlp: MLPFactory) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(
@@ -103,7 +109,8 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                LlamaAttention(config, layer_id, self.rotary, qkv_bias, qk_norm), config
+                LlamaAttention(config, layer_id, self.rotary, qkv_bias, qk_norm),
+                build_mlp(config, layer_id), config,
             )
             for layer_id in range(config.num_hidden_layers)
         )
@@ -131,10 +138,15 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.model = LlamaModel(config, self.qkv_bias or config.attention_bias, self.qk_norm)
+        self.model = LlamaModel(config, self.qkv_bias or config.attention_bias, self.qk_norm,
+                                self.build_mlp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        """The MLP of layer `layer_id` (mixture-of-experts models choose per layer)."""
+        return LlamaMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

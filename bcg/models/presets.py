@@ -12,6 +12,19 @@ _QWEN3_COMMON = {
     "eos_token_id": 151645,
 }
 
+# Qwen3-30B-A3B and Qwen3-235B-A22B as published (their config.json).
+_QWEN3_MOE_COMMON = {
+    **_QWEN3_COMMON,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+
 PRESETS: dict[str, dict] = {
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
@@ -77,5 +90,21 @@ PRESETS: dict[str, dict] = {
         },
         "max_position_embeddings": 131072,
         "eos_token_id": [128001, 128008, 128009],
+    },
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+    },
+    "qwen3-235b-a22b": {
+        **_QWEN3_MOE_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
     },
 }

@@ -6,11 +6,13 @@ from bcg.models.base import CausalLM
 from bcg.models.llama import LlamaForCausalLM
 from bcg.models.qwen2 import Qwen2ForCausalLM
 from bcg.models.qwen3 import Qwen3ForCausalLM
+from bcg.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
