@@ -71,6 +71,7 @@ def rank_main(rank: int, size: int, port: int, folder, load_format: str, out_pat
     # Tensor parallel, then expert parallel (experts 0-1, 2-3) by all-reduce and all-to-all.
     ("qwen3_moe", 2, {}, "auto"),
     ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy"),  # random weights split like loaded ones
+    ("qwen3_moe", 2, {}, "dummy"),
 ])
 def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides, load_format):
     save_tiny_model(arch, tmp_path, **overrides)

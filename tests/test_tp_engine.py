@@ -34,8 +34,8 @@ def tiny_folder(request, tmp_path_factory):
     return folder
 
 
-def generate(folder, tp: int):
-    llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS)
+def generate(folder, tp: int, **extra):
+    llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS, **extra)
     try:
         return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     finally:
@@ -56,6 +56,13 @@ def test_tp2_generates_tp1s_tokens_and_logprobs(tiny_folder):
             got, want = torch.tensor(logprob_values(got)), torch.tensor(logprob_values(want))
             assert got.shape == want.shape
             assert ((got - want).abs().max() / want.abs().max()).item() <= TOLERANCE
+
+
+def test_expert_parallel_moe_generates_tp1s_tokens(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path)
+    expected = generate(tmp_path, 1)
+    ours = generate(tmp_path, 2, enable_expert_parallel=True)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in expected]
 
 
 def test_serve_tp2_answers_the_openai_client(tmp_path):

@@ -11,6 +11,8 @@ dispatch, tokens travel to their experts' ranks and back (`bcg.layers.moe_alltoa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -89,6 +91,17 @@ class FusedMoE(nn.Module):
         return {(f"{prefix}.{expert}.{projection}.weight", None)
                 for expert in range(self.first_expert, self.first_expert + self.local_experts)
                 for projection in EXPERT_PROJECTIONS}
+
+    def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
+        """Random experts (`draw(shape, part)`) as a checkpoint holds them, one tensor per
+        expert and projection, this rank's part kept: every split gets the same model."""
+        hidden, full = self.gate_up_proj.shape[2], self.intermediate_size
+        projections = ["down_proj"] if name.endswith("down_proj") else ["gate_proj", "up_proj"]
+        for expert in range(self.first_expert, self.first_expert + self.local_experts):
+            for projection in projections:
+                shape = (hidden, full) if projection == "down_proj" else (full, hidden)
+                part = expert * len(EXPERT_PROJECTIONS) + EXPERT_PROJECTIONS.index(projection)
+                self.load_expert_weight(name, draw(shape, part), expert, projection)
 
     def load_expert_weight(self, name: str, loaded: torch.Tensor, expert: int,
                            projection: str) -> None:

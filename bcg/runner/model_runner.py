@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from bcg.config import EngineConfig
+from bcg.distributed.expert_parallel import set_expert_parallel
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.distributed.step_channel import StepChannel
 from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
@@ -77,6 +78,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         with startup_step(f"weights ({config.load_format})"):
+            # Before the model is built: its MoE layers take their experts by this setting.
+            set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch)
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         tp = tensor_parallel()  # this rank's heads
