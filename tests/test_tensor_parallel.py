@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from bcg.distributed.expert_parallel import set_expert_parallel
 from bcg.distributed.parallel_state import (
     TensorParallel,
     destroy_tensor_parallel,
@@ -25,10 +24,11 @@ PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5,
 TOLERANCE = 1e-5
 
 
-def step_logits(folder, load_format: str) -> tuple[list[torch.Tensor], torch.nn.Module]:
+def step_logits(folder, load_format: str, **engine_args
+                ) -> tuple[list[torch.Tensor], torch.nn.Module]:
     """Prefill every prompt, one decode step of each, then one of the first alone (a single
     token: fewer than the ranks): the logits of every row, and the model."""
-    harness = PagedHarness(folder, load_format=load_format)
+    harness = PagedHarness(folder, load_format=load_format, **engine_args)
     seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
     prefill = harness.step(seqs, [len(p) for p in PROMPTS])
     for seq, rows in zip(seqs, prefill, strict=True):
@@ -53,13 +53,13 @@ def rank_main(rank: int, size: int, port: int, folder, load_format: str, out_pat
     results = []
     try:
         for expert_parallel, dispatch in modes:
-            set_expert_parallel(expert_parallel, dispatch)
-            logits, model = step_logits(folder, load_format)
+            logits, model = step_logits(folder, load_format,
+                                        enable_expert_parallel=expert_parallel,
+                                        ep_dispatch=dispatch)
             results.append((logits, expert_shapes(model)))
         if rank == 0:
             torch.save(results, out_path)
     finally:
-        set_expert_parallel(False)
         destroy_tensor_parallel()
 
 
