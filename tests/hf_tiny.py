@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, NemotronHConfig, Qwen2Config,
+                          Qwen3Config)
 
 from bcg.config import EngineConfig
 from bcg.engine.block_manager import BlockManager
@@ -25,13 +26,21 @@ ARCHS = {
     "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=32, tie_word_embeddings=False),
 }
+# A hybrid with every block kind; chunks of 8 tokens, so prompts span several.
+HYBRID_ARCHS = {
+    "nemotron_h": lambda: NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, hybrid_override_pattern="M*-M-M",
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+        max_position_embeddings=256),
+}
 
 
 def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB", **overrides):
     """Save a random model of `arch` (weights large enough for confident logits), its config
     changed by `overrides`; return it."""
     torch.manual_seed(0)
-    config = ARCHS[arch]()
+    config = (ARCHS | HYBRID_ARCHS)[arch]()
     for name, value in overrides.items():
         setattr(config, name, value)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -65,8 +74,10 @@ class PagedHarness:
         config = EngineConfig(model=str(folder), device=device, dtype=dtype,
                               block_size=block_size, **engine_args)
         self.runner = ModelRunner(config, resolve_model(str(folder)), max_model_len=max_model_len)
+        stateful = self.runner.num_state_slots > 0  # no prefix caching then, as the engine's
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching and not stateful,
+                                          num_state_slots=self.runner.num_state_slots)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:
         seq = Sequence(str(id(token_ids)), token_ids, SamplingParams(temperature=0))

@@ -21,6 +21,7 @@ def decode_batch(seq_lens: list[int], blocks: int) -> ForwardBatch:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.full((n, blocks), 7, dtype=torch.int32),
         sample_indices=torch.arange(n),
+        state_slots=torch.arange(n, dtype=torch.int32),
         num_tokens=n,
         num_seqs=n,
         max_seqlen_q=1,
@@ -39,6 +40,7 @@ def test_decode_registry_pads_rows_harmlessly():
     assert view.positions.tolist() == [4, 8, 16, 0, 0, 0, 0, 0]
     assert view.slot_mapping.tolist() == [100, 101, 102] + [-1] * 5
     assert view.seq_lens.tolist() == [5, 9, 17] + [0] * 5
+    assert view.state_slots.tolist() == [0, 1, 2] + [-1] * 5
     assert view.block_tables[:3, :2].eq(7).all() and view.block_tables[3:].eq(0).all()
     assert view.cu_seqlens_q.tolist() == list(range(9))
 

@@ -88,7 +88,8 @@ class LLMEngine:
             with startup_step("--verify-graphs"):
                 verify_graphs(self.runner)
         block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_kv_blocks, config.block_size, self._prefix_caching(config),
+            num_state_slots=self.runner.num_state_slots,
         )
         self.scheduler = Scheduler(
             block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -307,6 +308,15 @@ class LLMEngine:
             self.stats.prefill_seconds += seconds
         else:
             self.stats.decode_seconds += seconds
+
+    def _prefix_caching(self, config: EngineConfig) -> bool:
+        """Off for models with recurrent state: a cached prefix's KV blocks do not bring back
+        the state after it (the prefix would be skipped, its state never computed)."""
+        if config.enable_prefix_caching and self.runner.num_state_slots:
+            logger.info("prefix caching is off: %s keeps recurrent (Mamba) state, which "
+                        "cached KV blocks cannot restore", self.model_config.architecture)
+            return False
+        return config.enable_prefix_caching
 
     def _max_model_len(self, config: EngineConfig) -> int:
         limit = self.model_config.max_position_embeddings

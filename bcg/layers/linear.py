@@ -24,6 +24,18 @@ def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
     target.copy_(loaded)
 
 
+def load_rank_blocks(name: str, target: torch.Tensor, loaded: torch.Tensor,
+                     block_sizes: list[int]) -> None:
+    """Copy into `target` this rank's equal share of each block of `loaded` (dim 0 cut into
+    `block_sizes`, the unsplit sizes), for parameters split by heads or channels."""
+    tp = tensor_parallel()
+    if loaded.shape[0] != sum(block_sizes):
+        copy_checked(name, target, loaded)  # the shape error, naming the weight
+    parts = [piece.narrow(0, tp.rank * (size // tp.size), size // tp.size)
+             for piece, size in zip(loaded.split(block_sizes), block_sizes, strict=True)]
+    copy_checked(name, target, torch.cat(parts))
+
+
 class Linear(nn.Module):
     """`y = x W^T + b` over this rank's weight; `output_sizes` are the full (unsplit) blocks."""
 
@@ -63,8 +75,16 @@ class ColumnParallelLinear(Linear):
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
-    def load_weight(self, name: str, loaded: torch.Tensor, block: int = 0) -> None:
-        """Copy this rank's part of checkpoint tensor `name` (output block `block`)."""
+    def load_weight(self, name: str, loaded: torch.Tensor, block: int | None = None) -> None:
+        """Copy this rank's part of checkpoint tensor `name`: output block `block`, or, with
+        no block named, every block of a checkpoint tensor that holds them all (Mamba2's
+        in_proj: z | x | B | C | dt in one tensor)."""
+        if block is None:
+            if len(self.output_sizes) > 1 and loaded.shape[0] == sum(self.output_sizes):
+                for index, piece in enumerate(loaded.split(self.output_sizes)):
+                    self.load_weight(name, piece, index)
+                return
+            block = 0
         param_name = name.rpartition(".")[2]
         length = self.local_outputs[block]
         part = self.rank * self.parts[block] // self.tp_size

@@ -4,6 +4,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# NemotronH's `hybrid_override_pattern`: one character per layer.
+MAMBA, ATTENTION, MLP = "M", "*", "-"
+_LAYER_TYPE_CHARS = {"linear_attention": MAMBA, "full_attention": ATTENTION, "mlp": MLP,
+                     "moe": "E"}
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba2 mixer's shapes (NemotronH names)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_min: float  # softplus(dt + dt_bias) is clamped below at this
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: x | B | C."""
+        return self.inner_size + 2 * self.n_groups * self.state_size
+
 
 @dataclass
 class ModelConfig:
@@ -23,6 +52,21 @@ class ModelConfig:
     mlp_bias: bool = False
     rope_scaling: dict | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Hybrids: one of MAMBA, ATTENTION, MLP per layer, and the Mamba mixer's shapes.
+    layer_types: str | None = None
+    mamba: MambaConfig | None = None
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (every layer but a hybrid's Mamba and MLP layers)."""
+        if self.layer_types is None:
+            return self.num_hidden_layers
+        return self.layer_types.count(ATTENTION)
+
+    @property
+    def num_mamba_layers(self) -> int:
+        """Layers with a recurrent state (conv and SSM) per sequence."""
+        return 0 if self.layer_types is None else self.layer_types.count(MAMBA)
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> ModelConfig:
@@ -33,16 +77,18 @@ class ModelConfig:
             )
         heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(hf)
+        layer_types = _parse_layer_types(hf)
         return cls(
             architecture=architectures[0],
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
+            num_hidden_layers=len(layer_types) if layer_types else hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            head_dim=(hf.get("head_dim") or hf.get("attention_head_dim")
+                      or hf["hidden_size"] // heads),
+            rms_norm_eps=hf.get("rms_norm_eps", hf.get("layer_norm_epsilon", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
@@ -50,7 +96,48 @@ class ModelConfig:
             mlp_bias=hf.get("mlp_bias", False),
             rope_scaling=rope_scaling,
             eos_token_ids=as_id_list(hf.get("eos_token_id")),
+            layer_types=layer_types,
+            mamba=_parse_mamba(hf) if layer_types and MAMBA in layer_types else None,
         )
+
+
+def _parse_layer_types(hf: dict) -> str | None:
+    """A hybrid's layer layout as a pattern string: transformers 5 saves `layers_block_type`
+    (a list of names), older configs `hybrid_override_pattern`; None for other models."""
+    pattern = hf.get("hybrid_override_pattern")
+    if pattern is None and hf.get("layers_block_type") is not None:
+        names = hf["layers_block_type"]
+        unknown = sorted(set(names) - set(_LAYER_TYPE_CHARS))
+        if unknown:
+            raise ValueError(f"config.json: unknown layers_block_type entries {unknown}")
+        pattern = "".join(_LAYER_TYPE_CHARS[name] for name in names)
+    if pattern is None:
+        return None
+    unsupported = sorted(set(pattern) - {MAMBA, ATTENTION, MLP})
+    if unsupported:
+        raise ValueError(f"config.json: layer kinds {unsupported} of the hybrid pattern "
+                         f"{pattern!r} are not supported (only M, * and -; no MoE layers)")
+    return pattern
+
+
+def _parse_mamba(hf: dict) -> MambaConfig:
+    heads = hf["mamba_num_heads"]
+    groups = hf.get("n_groups", 1)
+    if heads % groups:
+        raise ValueError(f"config.json: mamba_num_heads={heads} is not a multiple of "
+                         f"n_groups={groups}")
+    return MambaConfig(
+        num_heads=heads,
+        head_dim=hf["mamba_head_dim"],
+        state_size=hf["ssm_state_size"],
+        n_groups=groups,
+        conv_kernel=hf.get("conv_kernel", 4),
+        chunk_size=hf.get("chunk_size", 128),
+        conv_bias=hf.get("use_conv_bias", True),
+        proj_bias=hf.get("use_bias", False),
+        # As transformers: dt clamped below at time_step_min (time_step_limit is unused).
+        dt_min=hf.get("time_step_min", 0.001),
+    )
 
 
 def _parse_rope(hf: dict) -> tuple[float, dict | None]:

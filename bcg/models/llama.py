@@ -22,7 +22,7 @@ class LlamaAttention(nn.Module):
         self,
         config: ModelConfig,
         layer_id: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,  # None: no positional encoding (NemotronH)
         qkv_bias: bool,
         qk_norm: bool,
     ) -> None:
@@ -52,7 +52,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.qk_norms)  # one kernel on CUDA
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k, self.qk_norms)  # one kernel on CUDA
         out = self.attn(q, k, v)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 

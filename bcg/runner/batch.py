@@ -41,6 +41,7 @@ class ScheduledSequence(Protocol):
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V are already in the cache
     block_table: array | list[int]  # array('i') (copied fastest) or a list of ints
+    state_slot: int  # recurrent state slot of a hybrid's sequence; -1: none
     sampling_params: SamplingOptions
     generator: torch.Generator | None
 
@@ -69,6 +70,7 @@ class SyntheticSequence:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int = 0
+    state_slot: int = -1  # no state kept
     sampling_params: SamplingOptions = field(default_factory=SlowestSampling)
     generator: None = None
 
@@ -90,6 +92,7 @@ def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_
     # per field cost milliseconds per step at hundreds of sequences.
     input_ids, positions, slots, sample_indices = (array("q") for _ in range(4))
     cu_seqlens_q, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
+    state_slots = array("i", [seq.state_slot for seq in seqs])
     max_blocks = max((len(seq.block_table) for seq in seqs), default=0)
     padding = array("i", [-1]) * max_blocks
     for seq, n in zip(seqs, num_new_tokens, strict=True):
@@ -109,7 +112,7 @@ def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_
     if not store_kv:
         slots = array("q", [-1]) * len(input_ids)
     longs = _upload([input_ids, positions, slots, sample_indices], torch.int64, device)
-    ints = _upload([cu_seqlens_q, seq_lens, block_tables], torch.int32, device)
+    ints = _upload([cu_seqlens_q, seq_lens, block_tables, state_slots], torch.int32, device)
     return ForwardBatch(
         input_ids=longs[0],
         positions=longs[1],
@@ -118,6 +121,7 @@ def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_
         cu_seqlens_q=ints[0],
         seq_lens=ints[1],
         block_tables=ints[2].view(len(seqs), max_blocks),
+        state_slots=ints[3],
         num_tokens=len(input_ids),
         num_seqs=len(seqs),
         max_seqlen_q=max(num_new_tokens, default=1),

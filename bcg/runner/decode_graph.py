@@ -1,9 +1,10 @@
 """Decode graphs: batch-size buckets, attention reading the static buffers, so it may be
 captured inside the graph ("full"); padded rows have sequence length 0 and cache slot -1.
 
-The decode registry makes every field attention reads static, and its padded tail harmless:
-positions and token ids zeroed, cache slots -1 (no KV written), sequence lengths 0 (no KV
-read), block-table rows zeroed.
+The decode registry makes every field attention and the Mamba mixer read static, and its
+padded tail harmless: positions and token ids zeroed, cache slots -1 (no KV written),
+sequence lengths 0 (no KV read), block-table rows zeroed, state slots -1 (no state read or
+written).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def build_decode_registry(device: torch.device, max_bs: int,
     for name, dtype, policy, pad in (("input_ids", torch.int64, ZERO, None),
                                      ("positions", torch.int64, ZERO, None),
                                      ("slot_mapping", torch.int64, SENTINEL, -1),
-                                     ("seq_lens", torch.int32, SENTINEL, 0)):
+                                     ("seq_lens", torch.int32, SENTINEL, 0),
+                                     ("state_slots", torch.int32, SENTINEL, -1)):
         registry.register_slot(GraphSlot(name, per_row, dtype, "bs", padding_policy=policy,
                                          pad_value=pad))
     registry.register_slot(GraphSlot("block_tables", lambda bs, _: (bs, max_blocks_per_seq),

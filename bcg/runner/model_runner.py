@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model and the KV cache; turns scheduled sequences into tokens.
+"""ModelRunner: owns the model and its caches (the paged KV cache; a hybrid's recurrent
+state cache too); turns scheduled sequences into tokens.
 
 One step is `prepare` (scheduled sequences -> ForwardBatch), `forward` (the transformer
 stack under the forward context; graph runners replace this part), then the head on the
@@ -16,8 +17,9 @@ import torch
 
 from bcg.config import EngineConfig
 from bcg.distributed.parallel_state import tensor_parallel
-from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
+from bcg.forward import ForwardBatch, ForwardContext, KVCache, MambaStateCache, set_forward_context
 from bcg.layers.attention_backend import attention_backend
+from bcg.layers.mamba_backend import mamba_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
@@ -58,6 +60,9 @@ class ModelRunner:
         self.num_kv_heads = tp.kv_heads(c.num_key_value_heads)
         self.attention = attention_backend(self.device, self.num_heads, self.num_kv_heads,
                                            c.head_dim)
+        # Allocated before anything is measured, so the KV cache is sized around it.
+        self.state_cache = self._allocate_state_cache(config)
+        self.mamba = mamba_backend(self.device) if self.state_cache is not None else None
         self.sampler = Sampler()
         self.sampling = SamplingContext(self.device, c.vocab_size, tuple(eos_token_ids))
         self.forward_counts: Counter[str] = Counter()
@@ -85,6 +90,24 @@ class ModelRunner:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        """Sequences that can hold recurrent state at once (0: the model has none)."""
+        return 0 if self.state_cache is None else self.state_cache.num_slots
+
+    def _allocate_state_cache(self, config: EngineConfig) -> MambaStateCache | None:
+        """One slot per sequence that may run at once (max_num_seqs), for a hybrid."""
+        c, m = self.model_config, self.model_config.mamba
+        if c.num_mamba_layers == 0:
+            return None
+        tp = tensor_parallel()
+        cache = MambaStateCache(c.num_mamba_layers, config.max_num_seqs, m.conv_kernel,
+                                m.conv_dim // tp.size, m.num_heads // tp.size, m.head_dim,
+                                m.state_size, self.dtype, self.device)
+        logger.info("Mamba state cache: %d slots x %d layers (%.2f GiB), taken before the KV "
+                    "cache is sized", cache.num_slots, c.num_mamba_layers, cache.nbytes / 2**30)
+        return cache
 
     @property
     def stack_spec(self) -> StackSpec:
@@ -179,7 +202,9 @@ class ModelRunner:
 
     def forward_context(self, batch: ForwardBatch) -> ForwardContext:
         """What attention reads while the stack runs on `batch` (eagerly or replayed)."""
-        return ForwardContext(batch, self.kv_cache, self.attention, self.attention.metadata(batch))
+        return ForwardContext(batch, self.kv_cache, self.attention, self.attention.metadata(batch),
+                              self.state_cache, self.mamba,
+                              None if self.mamba is None else self.mamba.metadata(batch))
 
     def prepare(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
         return build_batch(seqs, num_new_tokens, self.block_size, self.device)
@@ -210,7 +235,7 @@ class ModelRunner:
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:
         c = self.model_config
-        return KVCache(c.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
+        return KVCache(c.num_attention_layers, num_blocks, self.block_size, self.num_kv_heads,
                        c.head_dim, self.dtype, self.device)
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, reserved_bytes: int) -> int:
@@ -231,7 +256,7 @@ class ModelRunner:
 
     def _kv_block_bytes(self) -> int:
         c = self.model_config
-        return KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
+        return KVCache.bytes_per_block(c.num_attention_layers, self.block_size,
                                        self.num_kv_heads, c.head_dim, self.dtype)
 
     def _kv_short_hint(self) -> str:
