@@ -8,7 +8,9 @@ import torch
 
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
+from bcg.layers.mamba_backend import MambaBackend, MambaOps
 from tests.hf_tiny import VOCAB, PagedHarness, hf_greedy, hf_logits, save_tiny_model
+from tests.kernels_support import kernels_skip_reason
 from tests.numerics import relative_error
 
 RUNS = [
@@ -138,3 +140,27 @@ def test_engine_preemption_and_abort_free_every_slot(greedy):
     assert {o.request_id for o in outputs} == {kept}
     assert outputs[-1].outputs[0].token_ids == expected[0][: GREEDY.max_tokens]
     assert_all_freed(small)
+
+
+def test_triton_kernels_in_the_model_match_transformers(hf_folder):
+    """The mixer's state ops through our Triton kernels (the interpreter without a GPU): a
+    prefill of two prompts (one over several chunks), then a decode step of both."""
+    reason = kernels_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from bcg.layers import triton_ops  # after kernels_support turned the interpreter on
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf_model, folder = hf_folder
+    harness = PagedHarness(folder, device=device)
+    harness.runner.mamba = MambaBackend(MambaOps(
+        triton_ops.causal_conv1d_varlen, triton_ops.causal_conv1d_update,
+        triton_ops.ssd_scan_varlen, triton_ops.selective_state_update))
+    tiny = (hf_model, harness, 5e-3 if device == "cuda" else 1e-4)
+    seqs = [harness.new_sequence(random_prompt(n, seed=n)) for n in (3, 19)]
+    logits = harness.step(seqs, [3, 19])
+    for seq, rows in zip(seqs, logits, strict=True):
+        assert_rows_match(tiny, seq, rows, 0)
+        seq.append_token(int(rows[-1].argmax()))
+    for seq, rows in zip(seqs, harness.step(seqs, [1, 1]), strict=True):
+        assert_rows_match(tiny, seq, rows, seq.num_tokens - 1)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from bcg.forward import ForwardBatch, ForwardContext
-from bcg.layers import mamba_ref
+from bcg.layers import mamba_ref, triton_ops
 
 
 class MambaLayer(Protocol):
@@ -90,5 +90,10 @@ class MambaBackend:
 
 
 def mamba_backend(device: torch.device) -> MambaBackend:
-    """The PyTorch reference (Triton kernels on CUDA come with bcg.kernels.mamba)."""
+    """Triton's kernels on CUDA, the PyTorch reference elsewhere."""
+    if triton_ops.uses_triton(device):
+        return MambaBackend(MambaOps(triton_ops.causal_conv1d_varlen,
+                                     triton_ops.causal_conv1d_update,
+                                     triton_ops.ssd_scan_varlen,
+                                     triton_ops.selective_state_update))
     return MambaBackend(REFERENCE_OPS)
