@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo: a model split over 2 (or 4) processes gives the
 logits of the unsplit model (fp32), for Llama (tied head, vocabulary padded), Qwen2
-(biases) and Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated)."""
+(biases), Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated) and NemotronH (Mamba2
+heads, groups, conv channels and the gated norm split; state carried into the decode)."""
 
 import os
 
@@ -49,6 +50,7 @@ def rank_main(rank: int, size: int, port: int, folder, out_path) -> None:
     ("qwen2", 2, {}),
     ("qwen3", 2, {}),
     ("qwen3", 4, {}),  # 4 heads, 2 KV heads: each KV head on two ranks
+    ("nemotron_h", 2, {}),  # Mamba heads and groups split: 4 heads and 1 group per rank
 ])
 def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides):
     save_tiny_model(arch, tmp_path, **overrides)
