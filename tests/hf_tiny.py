@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, NemotronHConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    NemotronHConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from bcg.config import EngineConfig
 from bcg.engine.block_manager import BlockManager
@@ -14,6 +20,7 @@ from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.sequence import Sequence
 from bcg.loader.model_source import resolve_model
 from bcg.runner.model_runner import ModelRunner
+from tests.numerics import relative_error
 
 VOCAB = 160
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -49,6 +56,28 @@ def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB", **ove
             param.normal_(0.0, 0.15)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return model
+
+
+# (device, dtype, tolerance) of our logits against transformers' fp32 CPU ones (the reasons
+# for each tolerance: test_models_hf's docstring).
+RUNS = [
+    pytest.param(("cpu", "float32", 1e-4), id="cpu-fp32"),
+    pytest.param(("cuda", "float32", 5e-3), id="cuda-fp32", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "bfloat16", 3e-2), id="cuda-bf16", marks=pytest.mark.gpu),
+]
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+
+
+def assert_rows_match(tiny, seq, rows: torch.Tensor, start: int) -> None:
+    """`rows` (our logits of `seq` from position `start` on) against transformers', for a
+    `tiny` fixture's (hf_model, harness, tolerance)."""
+    hf_model, _, tolerance = tiny
+    ref = hf_logits(hf_model, seq.token_ids[: start + len(rows)])[start:]
+    assert relative_error(rows.cpu(), ref) <= tolerance
 
 
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:

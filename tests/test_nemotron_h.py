@@ -1,7 +1,7 @@
-"""NemotronH (a Mamba2 hybrid with every block kind) against transformers' PyTorch path: our
-runner stepped by hand (prefill, chunked prefill mixed with decodes, decode), then the engine
-(greedy tokens, chunking, preemption and abort giving back every state slot). Tolerances as
-in test_models_hf."""
+"""NemotronH (a Mamba2 hybrid with every block kind) against transformers' PyTorch path
+through the engine: greedy tokens, chunked prefill, preemption and abort giving back every
+block and state slot; and the mixer through our Triton kernels. (Prefill, decode and chunks
+mixed with decodes, stepped by hand on every device: test_models_hf.)"""
 
 import pytest
 import torch
@@ -9,15 +9,16 @@ import torch
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.layers.mamba_backend import MambaBackend, MambaOps
-from tests.hf_tiny import VOCAB, PagedHarness, hf_greedy, hf_logits, save_tiny_model
+from tests.hf_tiny import (
+    VOCAB,
+    PagedHarness,
+    assert_rows_match,
+    hf_greedy,
+    random_prompt,
+    save_tiny_model,
+)
 from tests.kernels_support import kernels_skip_reason
-from tests.numerics import relative_error
 
-RUNS = [
-    pytest.param(("cpu", "float32", 1e-4), id="cpu-fp32"),
-    pytest.param(("cuda", "float32", 5e-3), id="cuda-fp32", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "bfloat16", 3e-2), id="cuda-bf16", marks=pytest.mark.gpu),
-]
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 30))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -26,67 +27,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 def hf_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("nemotron_h")
     return save_tiny_model("nemotron_h", folder), folder
-
-
-@pytest.fixture(scope="module", params=RUNS)
-def tiny(request, hf_folder):
-    hf_model, folder = hf_folder
-    device, dtype, tolerance = request.param
-    return hf_model, PagedHarness(folder, device=device, dtype=dtype), tolerance
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (length,), generator=generator).tolist()
-
-
-def assert_rows_match(tiny, seq, rows: torch.Tensor, start: int) -> None:
-    hf_model, _, tolerance = tiny
-    ref = hf_logits(hf_model, seq.token_ids[: start + len(rows)])[start:]
-    assert relative_error(rows.cpu(), ref) <= tolerance
-
-
-def test_prefill_batch_spanning_several_chunks(tiny):
-    harness = tiny[1]
-    seqs = [harness.new_sequence(random_prompt(n, seed=n)) for n in (5, 17, 33)]
-    logits = harness.step(seqs, [s.num_tokens for s in seqs])
-    for seq, rows in zip(seqs, logits, strict=True):
-        assert_rows_match(tiny, seq, rows, 0)
-    for seq in seqs:
-        harness.block_manager.free(seq)
-
-
-def test_decode_steps_carry_the_state(tiny):
-    harness = tiny[1]
-    seqs = [harness.new_sequence(random_prompt(n, seed=100 + n)) for n in (3, 9, 20)]
-    logits = harness.step(seqs, [s.num_tokens for s in seqs])
-    for _ in range(5):
-        for seq, rows in zip(seqs, logits, strict=True):
-            seq.append_token(int(rows[-1].argmax()))
-        logits = harness.step(seqs, [1] * len(seqs))
-        for seq, rows in zip(seqs, logits, strict=True):
-            assert_rows_match(tiny, seq, rows, seq.num_tokens - 1)
-    for seq in seqs:
-        harness.block_manager.free(seq)
-
-
-def test_chunked_prefill_mixed_with_decode(tiny):
-    """Chunks of 7, 1, 2, 10 and 10 tokens: boundaries inside and across the scan's 8-token
-    chunks and shorter than the conv's window; the state carries between them."""
-    harness = tiny[1]
-    decoding = harness.new_sequence(random_prompt(6, seed=11))
-    [rows] = harness.step([decoding], [6])
-    chunked = harness.new_sequence(random_prompt(30, seed=12))
-    for chunk in (7, 1, 2, 10, 10):
-        decoding.append_token(int(rows[-1].argmax()))
-        start = chunked.num_computed_tokens
-        rows, chunk_rows = harness.step([decoding, chunked], [1, chunk])
-        assert_rows_match(tiny, chunked, chunk_rows, start)
-        assert_rows_match(tiny, decoding, rows, decoding.num_tokens - 1)
-    for seq in (decoding, chunked):
-        harness.block_manager.free(seq)
-    pool = harness.block_manager.state_slots
-    assert pool.num_free == pool.num_slots
 
 
 @pytest.fixture(scope="module")

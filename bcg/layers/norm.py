@@ -26,10 +26,13 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(norm(x + residual), x + residual)`: the new hidden state and residual.
-        With the fused kernel the sum is written into `residual` in place."""
+        """Return `(norm(x + residual), x + residual)`: the new hidden state and residual
+        (`(norm(x), x)` before the first layer, with no residual yet). With the fused kernel
+        the sum is written into `residual` in place."""
+        if residual is None:
+            return self(x), x
         if use_fused_kernels(x):
             return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual

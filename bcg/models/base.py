@@ -16,7 +16,19 @@ import torch
 from torch import nn
 
 from bcg.layers.linear import Linear, copy_checked
+from bcg.layers.norm import RMSNorm
 from bcg.models.config import ModelConfig
+
+
+def run_residual_stack(layers: nn.ModuleList, positions: torch.Tensor,
+                       hidden_states: torch.Tensor, final_norm: RMSNorm) -> torch.Tensor:
+    """Pre-norm layers, each called `(positions, hidden, residual) -> (hidden, residual)`
+    (the residual add fused into the next norm), then the final norm of their sum."""
+    residual = None
+    for layer in layers:
+        hidden_states, residual = layer(positions, hidden_states, residual)
+    hidden_states, _ = final_norm.add_and_norm(hidden_states, residual)
+    return hidden_states
 
 
 class CausalLM(nn.Module, ABC):

@@ -13,7 +13,7 @@ from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.norm import RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
-from bcg.models.base import CausalLM
+from bcg.models.base import CausalLM, run_residual_stack
 from bcg.models.config import ModelConfig
 
 
@@ -82,11 +82,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
+        hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm.add_and_norm(
             hidden_states, residual
@@ -111,12 +107,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
-        return hidden_states
+        return run_residual_stack(self.layers, positions, self.embed_tokens(input_ids),
+                                  self.norm)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -17,7 +17,7 @@ from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.mamba_mixer import MambaMixer2
 from bcg.layers.norm import RMSNorm
-from bcg.models.base import CausalLM
+from bcg.models.base import CausalLM, run_residual_stack
 from bcg.models.config import ATTENTION, MAMBA, ModelConfig
 from bcg.models.llama import LlamaAttention
 
@@ -51,11 +51,7 @@ class NemotronHBlock(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.norm(hidden_states)
-        else:
-            hidden_states, residual = self.norm.add_and_norm(hidden_states, residual)
+        hidden_states, residual = self.norm.add_and_norm(hidden_states, residual)
         if self.kind == ATTENTION:
             return self.mixer(positions, hidden_states), residual
         return self.mixer(hidden_states), residual
@@ -74,12 +70,8 @@ class NemotronHModel(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embeddings(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm_f.add_and_norm(hidden_states, residual)
-        return hidden_states
+        return run_residual_stack(self.layers, positions, self.embeddings(input_ids),
+                                  self.norm_f)
 
 
 class NemotronHForCausalLM(CausalLM):
