@@ -100,11 +100,11 @@ class ForwardContext:
     # both here and never build their own.
     attention: Any
     attention_metadata: Any = None
-    # Hybrids: the recurrent state cache, the Mamba backend and its metadata for this batch
-    # (as attention's: built once per step or decode graph bucket, read by every layer).
+    # Hybrids: the recurrent state cache and the Mamba backend chosen at start-up; the
+    # mixer finds each sequence's slot in `batch.state_slots` (a static buffer in decode
+    # graphs, the live batch behind a prefill graph's break).
     state_cache: MambaStateCache | None = None
     mamba: Any = None
-    mamba_metadata: Any = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("bcg_forward_context", default=None)

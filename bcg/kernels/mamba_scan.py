@@ -32,7 +32,9 @@ class ScanConfig:
     num_warps: int
 
 
-CONFIGS = DeviceConfigs(gpu=ScanConfig(chunk=64, max_block_p=64, num_warps=4),
+# 8 warps on the GPU: the state, B and C tiles of a 64-token chunk are 64 fp32 registers
+# per thread each at 4 warps.
+CONFIGS = DeviceConfigs(gpu=ScanConfig(chunk=64, max_block_p=64, num_warps=8),
                         interpreter=ScanConfig(chunk=16, max_block_p=16, num_warps=1))
 
 

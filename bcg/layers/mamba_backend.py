@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from bcg.forward import ForwardBatch, ForwardContext
+from bcg.forward import ForwardContext
 from bcg.layers import mamba_ref, triton_ops
 
 
@@ -51,10 +51,6 @@ REFERENCE_OPS = MambaOps(mamba_ref.causal_conv1d_ref, mamba_ref.causal_conv1d_up
 class MambaBackend:
     def __init__(self, ops: MambaOps) -> None:
         self.ops = ops
-
-    def metadata(self, batch: ForwardBatch) -> Any:
-        """What every Mamba layer reuses while the stack runs on `batch` (nothing yet)."""
-        return None
 
     def forward(self, layer: MambaLayer, projected: torch.Tensor, out: torch.Tensor,
                 context: ForwardContext) -> None:

@@ -17,7 +17,13 @@ import torch
 
 from bcg.config import EngineConfig
 from bcg.distributed.parallel_state import tensor_parallel
-from bcg.forward import ForwardBatch, ForwardContext, KVCache, MambaStateCache, set_forward_context
+from bcg.forward import (
+    ForwardBatch,
+    ForwardContext,
+    KVCache,
+    MambaStateCache,
+    set_forward_context,
+)
 from bcg.layers.attention_backend import attention_backend
 from bcg.layers.mamba_backend import mamba_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
@@ -203,8 +209,7 @@ class ModelRunner:
     def forward_context(self, batch: ForwardBatch) -> ForwardContext:
         """What attention reads while the stack runs on `batch` (eagerly or replayed)."""
         return ForwardContext(batch, self.kv_cache, self.attention, self.attention.metadata(batch),
-                              self.state_cache, self.mamba,
-                              None if self.mamba is None else self.mamba.metadata(batch))
+                              self.state_cache, self.mamba)
 
     def prepare(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
         return build_batch(seqs, num_new_tokens, self.block_size, self.device)
