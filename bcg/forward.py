@@ -90,6 +90,13 @@ class MambaStateCache:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
+    def save(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of `slots`' states in every layer, for `restore`."""
+        return self.conv[:, slots].clone(), self.ssm[:, slots].clone()
+
+    def restore(self, slots: list[int], saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.conv[:, slots], self.ssm[:, slots] = saved
+
 
 @dataclass
 class ForwardContext:

@@ -8,7 +8,10 @@ import torch
 
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
+from bcg.forward import MambaStateCache
 from bcg.layers.mamba_backend import MambaBackend, MambaOps
+from bcg.models.config import ModelConfig
+from bcg.runner.graph_verify import verify_graphs
 from tests.hf_tiny import (
     VOCAB,
     PagedHarness,
@@ -104,3 +107,45 @@ def test_triton_kernels_in_the_model_match_transformers(hf_folder):
         seq.append_token(int(rows[-1].argmax()))
     for seq, rows in zip(seqs, harness.step(seqs, [1, 1]), strict=True):
         assert_rows_match(tiny, seq, rows, seq.num_tokens - 1)
+
+
+class EagerAsGraph:
+    """A stand-in graph runner (CPU: no CUDA graphs) whose replay is the eager stack."""
+
+    mode = "full"
+
+    def __init__(self, runner, kind: str, bucket: int) -> None:
+        self.runner, self.kind, self.buckets = runner, kind, [bucket]
+
+    def run(self, batch, bucket: int) -> torch.Tensor:
+        return self.runner.forward_eager(batch)
+
+
+def test_verify_graphs_runs_both_sides_from_the_same_state(hf_folder, monkeypatch):
+    """--verify-graphs gives a hybrid's sequences real state slots; the graph's run moves
+    their state on, so it is restored before the eager run (else they differ)."""
+    runner = PagedHarness(hf_folder[1]).runner
+    runner.graph_runners = [EagerAsGraph(runner, "decode", 4),
+                            EagerAsGraph(runner, "prefill", 32)]
+    verify_graphs(runner)
+    monkeypatch.setattr(MambaStateCache, "restore", lambda *args: None)
+    with pytest.raises(RuntimeError, match="differs from eager"):
+        verify_graphs(runner)
+
+
+def test_config_layouts_old_and_new_and_refusals():
+    old = {"architectures": ["NemotronHForCausalLM"], "vocab_size": 16, "hidden_size": 8,
+           "intermediate_size": 8, "num_attention_heads": 2, "mamba_num_heads": 4,
+           "mamba_head_dim": 2, "ssm_state_size": 4, "n_groups": 2,
+           "hybrid_override_pattern": "M-*M"}
+    new = {k: v for k, v in old.items() if k != "hybrid_override_pattern"} | {
+        "layers_block_type": ["linear_attention", "mlp", "full_attention", "linear_attention"]}
+    for hf in (old, new):
+        config = ModelConfig.from_hf_dict(hf)
+        assert config.layer_types == "M-*M" and config.num_hidden_layers == 4
+        assert (config.num_attention_layers, config.num_mamba_layers) == (1, 2)
+        assert config.mamba.conv_dim == 4 * 2 + 2 * 2 * 4
+    with pytest.raises(ValueError, match=r"\['E'\].*no MoE"):
+        ModelConfig.from_hf_dict(old | {"hybrid_override_pattern": "M-E*"})
+    with pytest.raises(ValueError, match="mamba_num_heads=4 is not a multiple of n_groups=3"):
+        ModelConfig.from_hf_dict(old | {"n_groups": 3})
