@@ -23,9 +23,10 @@ GPU_RUNS = [pytest.param((torch.bfloat16, 2e-2), id="bf16", marks=pytest.mark.gp
 CPU_RUN = [pytest.param((torch.float32, 1e-4), id="interpreter-fp32")]
 RUNS = GPU_RUNS if ON_GPU else CPU_RUN
 # (new tokens, prefix, slot) per sequence: fresh, cached, slotless, shorter than the conv
-# window, several scan chunks; a decode row among prefills.
+# window, several scan chunks; a decode row among prefills. Decode: a one-token prompt (its
+# slot's stale state unread) and padding rows (slot -1).
 PREFILL = [(1, 0, 0), (2, 5, 2), (37, 0, -1), (20, 11, 4), (1, 30, 5), (70, 3, 1)]
-DECODE = [(1, 9, 3), (1, 1, -1), (1, 4, 0), (1, 17, 5), (1, 2, -1)]
+DECODE = [(1, 9, 3), (1, 1, -1), (1, 4, 0), (1, 0, 2), (1, 17, 5), (1, 2, -1)]
 
 
 def make(rows: list[tuple[int, int, int]], shapes: dict, dtype: torch.dtype,
@@ -43,14 +44,14 @@ def run(batch: MambaBatch, decode: bool, ops) -> tuple[torch.Tensor, ...]:
     activated = torch.full_like(batch.xbc, float("nan"))
     weights = (batch.xbc, batch.conv_weight, batch.conv_bias, conv_state)
     if decode:
-        ops[1](*weights, batch.state_slots, activated)
+        ops[1](*weights, batch.seq_lens, batch.state_slots, activated)
     else:
         ops[0](*weights, batch.cu_seqlens, batch.seq_lens, batch.state_slots, activated)
     x, B, C = batch.split(activated)
     y = torch.full_like(x, float("nan"))
     common = (x, batch.dt, batch.A, B, C, batch.D, batch.dt_bias, DT_MIN)
     if decode:
-        ops[3](*common, ssm_state, batch.state_slots, y)
+        ops[3](*common, ssm_state, batch.seq_lens, batch.state_slots, y)
     else:
         ops[2](*common, 8, ssm_state, batch.cu_seqlens, batch.seq_lens, batch.state_slots, y)
     return activated, y, conv_state, ssm_state

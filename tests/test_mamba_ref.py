@@ -52,7 +52,8 @@ def run_reference(batch: MambaBatch, decode: bool) -> tuple[torch.Tensor, ...]:
     activated = torch.empty_like(batch.xbc)
     args = (batch.xbc, batch.conv_weight, batch.conv_bias, batch.conv_state)
     if decode:
-        mamba_ref.causal_conv1d_update_ref(*args, batch.state_slots, activated)
+        mamba_ref.causal_conv1d_update_ref(*args, batch.seq_lens, batch.state_slots,
+                                           activated)
     else:
         mamba_ref.causal_conv1d_ref(*args, batch.cu_seqlens, batch.seq_lens, batch.state_slots,
                                     activated)
@@ -60,7 +61,8 @@ def run_reference(batch: MambaBatch, decode: bool) -> tuple[torch.Tensor, ...]:
     y = torch.empty_like(x)
     common = (x, batch.dt, batch.A, B, C, batch.D, batch.dt_bias, DT_MIN)
     if decode:
-        mamba_ref.selective_state_update_ref(*common, batch.ssm_state, batch.state_slots, y)
+        mamba_ref.selective_state_update_ref(*common, batch.ssm_state, batch.seq_lens,
+                                             batch.state_slots, y)
     else:
         mamba_ref.ssd_scan_ref(*common, CHUNK, batch.ssm_state, batch.cu_seqlens,
                                batch.seq_lens, batch.state_slots, y)
@@ -82,8 +84,9 @@ def test_varlen_prefill_with_and_without_cached_state():
     check(batch, decode=False)
 
 
-def test_decode_step_and_slotless_rows():
-    batch = make_mamba_batch([1] * 4, [5, 1, 3, 8], [3, -1, 0, 1], **SHAPES,
+def test_decode_step_slotless_rows_and_a_one_token_prompt():
+    # Slot 1's state belongs to a finished sequence: the one-token prompt must not read it.
+    batch = make_mamba_batch([1] * 5, [5, 1, 3, 8, 0], [3, -1, 0, 2, 1], **SHAPES,
                              generator=torch.Generator().manual_seed(1),
                              device=torch.device("cpu"), dtype=torch.float32)
     check(batch, decode=True)

@@ -62,6 +62,20 @@ def test_engine_greedy_and_chunked_match_transformers(greedy, caplog):
     assert_all_freed(llm)
 
 
+def test_one_token_prompt_ignores_its_slots_stale_state(hf_folder):
+    """A one-token prompt's first step is a decode-shaped batch; its slot (the only one)
+    still holds the state of the sequence before it, which must not be read."""
+    hf_model, folder = hf_folder
+    harness = PagedHarness(folder, max_num_seqs=1)
+    before = harness.new_sequence(random_prompt(9, seed=3))
+    harness.step([before], [9])
+    harness.block_manager.free(before)
+    seq = harness.new_sequence([7])
+    [rows] = harness.step([seq], [1])
+    assert seq.state_slot == 0
+    assert_rows_match((hf_model, harness, 1e-4), seq, rows, 0)
+
+
 def test_engine_preemption_and_abort_free_every_slot(greedy):
     folder, _ = greedy
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

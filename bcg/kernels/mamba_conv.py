@@ -7,7 +7,8 @@ sequence has a prefix and a slot) or zeros. Lane 0, the only program that reads 
 state, writes the new one (the last K - 1 inputs) after a barrier.
 
 ``causal_conv1d_update``: one token per sequence (decode, graph-safe: the grid depends only on
-shapes). Rows whose slot is negative (graph padding) read zeros and write nothing.
+shapes). A sequence's first token (a one-token prompt) reads zeros, not its slot; rows whose
+slot is negative (graph padding) read zeros and write nothing.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         conv_state: torch.Tensor, state_slots: torch.Tensor,
-                         out: torch.Tensor) -> None:
+                         conv_state: torch.Tensor, seq_lens: torch.Tensor,
+                         state_slots: torch.Tensor, out: torch.Tensor) -> None:
     """As `bcg.layers.mamba_ref.causal_conv1d_update_ref`: x, out `[S, C]`."""
     channels, taps = _check(x, weight, conv_state, out)
     config = CONFIGS.for_device(x.is_cuda)
@@ -83,7 +84,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return
     _launch_update(
         (x.shape[0], cdiv(channels, config.block_c)),
-        (x, weight, weight if bias is None else bias, conv_state, state_slots, out),
+        (x, weight, weight if bias is None else bias, conv_state, seq_lens, state_slots, out),
         (),
         {"CHANNELS": channels, "TAPS": taps, "STATE_ROWS": next_power_of_2(max(taps - 1, 1)),
          "HAS_BIAS": bias is not None, "STRIDE_X": x.stride(0), "STRIDE_OUT": out.stride(0),
@@ -146,20 +147,21 @@ def _varlen_kernel(
 
 @triton.jit
 def _update_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, out_ptr,
+    x_ptr, w_ptr, bias_ptr, state_ptr, seq_lens_ptr, slots_ptr, out_ptr,
     CHANNELS: tl.constexpr, TAPS: tl.constexpr, STATE_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_OUT: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
-    has_state = slot >= 0
+    has_slot = slot >= 0
+    read_state = has_slot & (tl.load(seq_lens_ptr + row) > 1)  # not a one-token prompt
     state = state_ptr + tl.maximum(slot, 0).to(tl.int64) * ((TAPS - 1) * CHANNELS)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < CHANNELS
     j = tl.arange(0, STATE_ROWS)
     keep = j < TAPS - 1
-    old_ok = (keep & has_state)[:, None] & col_ok[None, :]
+    old_ok = (keep & read_state)[:, None] & col_ok[None, :]
     old = tl.load(state + j[:, None] * CHANNELS + cols[None, :], mask=old_ok, other=0.0)
     x = tl.load(x_ptr + row * STRIDE_X + cols, mask=col_ok, other=0.0)
     weights = tl.load(w_ptr + cols[None, :] * TAPS + j[:, None],
@@ -172,12 +174,12 @@ def _update_kernel(
     tl.store(out_ptr + row * STRIDE_OUT + cols, result.to(out_ptr.dtype.element_ty), mask=col_ok)
     # Shift by one: row j takes row j + 1, the last row the new input.
     shifted = tl.load(state + (j + 1)[:, None] * CHANNELS + cols[None, :],
-                      mask=((j + 1 < TAPS - 1) & has_state)[:, None] & col_ok[None, :],
+                      mask=((j + 1 < TAPS - 1) & read_state)[:, None] & col_ok[None, :],
                       other=0.0)
     new = tl.where((j == TAPS - 2)[:, None], x[None, :].to(shifted.dtype), shifted)
     tl.debug_barrier()
     tl.store(state + j[:, None] * CHANNELS + cols[None, :], new.to(state_ptr.dtype.element_ty),
-             mask=old_ok)
+             mask=(keep & has_slot)[:, None] & col_ok[None, :])
 
 
 _launch_varlen = CachedLauncher(_varlen_kernel)

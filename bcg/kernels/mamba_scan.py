@@ -9,8 +9,9 @@ then state = exp(total) · state + (x ∘ dt ∘ decay-to-end)ᵀ B. No program 
 (each owns its tile of the state), so several sequences, chunks of any length and decode
 rows mix freely; the kernel's chunk length need not be the model's (the math is exact).
 
-``selective_state_update``: one token per sequence (graph-safe); rows with a negative slot
-(graph padding) start from zeros and write nothing.
+``selective_state_update``: one token per sequence (graph-safe); a sequence's first token (a
+one-token prompt) starts from zeros, not its slot; rows with a negative slot (graph padding)
+start from zeros and write nothing.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
 def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
                            dt_bias: torch.Tensor, dt_min: float, ssm_state: torch.Tensor,
-                           state_slots: torch.Tensor, out: torch.Tensor) -> None:
+                           seq_lens: torch.Tensor, state_slots: torch.Tensor,
+                           out: torch.Tensor) -> None:
     """As `bcg.layers.mamba_ref.selective_state_update_ref`: x, out `[S, H, P]`."""
     heads, head_dim, groups, state_size = _shapes(x, B, ssm_state, out)
     if C.stride() != B.stride():
@@ -98,7 +100,7 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     block_p = min(next_power_of_2(head_dim), config.max_block_p)
     _launch_update(
         (x.shape[0], heads, cdiv(head_dim, block_p)),
-        (x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, out),
+        (x, dt, A, B, C, D, dt_bias, ssm_state, seq_lens, state_slots, out),
         (float(dt_min),),
         {"HEADS": heads, "HEAD_DIM": head_dim, "HEADS_PER_GROUP": heads // groups,
          "STATE": state_size, "STRIDE_X": x.stride(0), "STRIDE_DT": dt.stride(0),
@@ -174,8 +176,8 @@ def _scan_kernel(
 
 @triton.jit
 def _update_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
-    dt_min,
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr, seq_lens_ptr, slots_ptr,
+    out_ptr, dt_min,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     STATE: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_DT: tl.constexpr,
     STRIDE_B: tl.constexpr, STRIDE_OUT: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -191,7 +193,8 @@ def _update_kernel(
     tile_ok = p_ok[:, None] & n_ok[None, :]
     state_tile = (state_ptr + (tl.maximum(slot, 0).to(tl.int64) * HEADS + head) * HEAD_DIM * STATE
                   + p[:, None] * STATE + n[None, :])
-    state = tl.load(state_tile, mask=tile_ok & (slot >= 0), other=0.0)
+    read_state = (slot >= 0) & (tl.load(seq_lens_ptr + row) > 1)  # not a one-token prompt
+    state = tl.load(state_tile, mask=tile_ok & read_state, other=0.0)
     dt = _step_size(tl.load(dt_ptr + row * STRIDE_DT + head),
                     tl.load(dt_bias_ptr + head).to(tl.float32), dt_min)
     x = tl.load(x_ptr + row * STRIDE_X + head * HEAD_DIM + p, mask=p_ok, other=0.0)

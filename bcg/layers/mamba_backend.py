@@ -65,7 +65,8 @@ class MambaBackend:
         activated = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
         weight, bias = layer.conv1d.weight, layer.conv1d.bias
         if batch.is_decode:
-            self.ops.conv_update(xbc, weight, bias, conv_state, batch.state_slots, activated)
+            self.ops.conv_update(xbc, weight, bias, conv_state, batch.seq_lens,
+                                 batch.state_slots, activated)
         else:
             self.ops.conv(xbc, weight, bias, conv_state, batch.cu_seqlens_q, batch.seq_lens,
                           batch.state_slots, activated)
@@ -78,7 +79,7 @@ class MambaBackend:
         A = -torch.exp(layer.A_log.float())
         if batch.is_decode:
             self.ops.state_update(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_min,
-                                  ssm_state, batch.state_slots, y)
+                                  ssm_state, batch.seq_lens, batch.state_slots, y)
         else:
             self.ops.scan(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_min,
                           layer.chunk_size, ssm_state, batch.cu_seqlens_q, batch.seq_lens,

@@ -3,9 +3,10 @@
 Prefill runs a varlen batch (sequences packed along the token axis, `cu_seqlens` their
 offsets): each sequence's causal conv and SSM scan start from its cached state when it has
 tokens before this step (`seq_lens` > its new tokens) and a slot, else from zero, and leave
-their final state in its slot. Decode steps each sequence by one token. A sequence whose
-slot is negative (start-up stand-ins, graph padding) keeps no state. Everything is computed
-in fp32; outputs are written into the `out` given.
+their final state in its slot (a fresh slot may still hold a finished sequence's state: it
+is never read). A sequence whose slot is negative (start-up stand-ins, graph padding) keeps
+no state. Decode steps each sequence by one token, from its state unless the token is its
+first (a one-token prompt). Everything is computed in fp32 and written into `out`.
 """
 
 from __future__ import annotations
@@ -54,13 +55,12 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def causal_conv1d_update_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             conv_state: torch.Tensor, state_slots: torch.Tensor,
-                             out: torch.Tensor) -> None:
-    """One new token per sequence: x, out `[S, C]`; each slot's state shifts by one."""
-    seqs = x.shape[0]
-    cu = torch.arange(seqs + 1, dtype=torch.int32, device=x.device)
-    causal_conv1d_ref(x, weight, bias, conv_state, cu, torch.full_like(cu[1:], 2),
-                      state_slots, out)
+                             conv_state: torch.Tensor, seq_lens: torch.Tensor,
+                             state_slots: torch.Tensor, out: torch.Tensor) -> None:
+    """One new token per sequence: x, out `[S, C]`; each slot's state shifts by one (a
+    sequence of length 1, a one-token prompt, starts from zeros)."""
+    cu = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+    causal_conv1d_ref(x, weight, bias, conv_state, cu, seq_lens, state_slots, out)
 
 
 def ssd_scan_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -109,10 +109,10 @@ def _ssd_chunk(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 def selective_state_update_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                                B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
                                dt_bias: torch.Tensor, dt_min: float, ssm_state: torch.Tensor,
-                               state_slots: torch.Tensor, out: torch.Tensor) -> None:
-    """One decode step: x, out `[S, H, P]`, dt `[S, H]`, B, C `[S, G, N]`; each sequence's
-    state (zero without a slot) advances by its token."""
-    seqs = x.shape[0]
-    cu = torch.arange(seqs + 1, dtype=torch.int32, device=x.device)
-    ssd_scan_ref(x, dt, A, B, C, D, dt_bias, dt_min, 1, ssm_state, cu,
-                 torch.full_like(cu[1:], 2), state_slots, out)
+                               seq_lens: torch.Tensor, state_slots: torch.Tensor,
+                               out: torch.Tensor) -> None:
+    """One token per sequence: x, out `[S, H, P]`, dt `[S, H]`, B, C `[S, G, N]`; each
+    sequence's state (zero without a slot or before its first token) advances by it."""
+    cu = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+    ssd_scan_ref(x, dt, A, B, C, D, dt_bias, dt_min, 1, ssm_state, cu, seq_lens, state_slots,
+                 out)
