@@ -111,11 +111,13 @@ class LlamaModel(nn.Module):
                                   self.norm)
 
 
+# The checkpoint's q, k and v projections load into LlamaAttention's merged qkv_proj.
+QKV_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
+
 class LlamaForCausalLM(CausalLM):
     packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
+        **QKV_PACKED,
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }

@@ -19,7 +19,7 @@ from bcg.layers.mamba_mixer import MambaMixer2
 from bcg.layers.norm import RMSNorm
 from bcg.models.base import CausalLM, run_residual_stack
 from bcg.models.config import ATTENTION, MAMBA, ModelConfig
-from bcg.models.llama import LlamaAttention
+from bcg.models.llama import QKV_PACKED, LlamaAttention
 
 
 class NemotronHMLP(nn.Module):
@@ -75,11 +75,7 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-    }
+    packed_modules = QKV_PACKED
 
     def __init__(self, config: ModelConfig) -> None:
         if config.layer_types is None or config.mamba is None:
