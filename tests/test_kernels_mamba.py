@@ -14,7 +14,7 @@ from tests.numerics import relative_error
 conv = import_kernels("mamba_conv")
 scan = import_kernels("mamba_scan")
 
-DT_MIN = 0.001
+DT_LIMIT = (0.2, 1.5)  # binds on both sides for some tokens
 SMALL = dict(heads=4, head_dim=8, groups=2, state_size=16, taps=4, num_slots=6)
 LARGE = dict(heads=16, head_dim=64, groups=2, state_size=128, taps=4, num_slots=12)
 # (dtype, tolerance): bf16 inputs against the fp32 reference on the same bf16 inputs.
@@ -49,7 +49,7 @@ def run(batch: MambaBatch, decode: bool, ops) -> tuple[torch.Tensor, ...]:
         ops[0](*weights, batch.cu_seqlens, batch.seq_lens, batch.state_slots, activated)
     x, B, C = batch.split(activated)
     y = torch.full_like(x, float("nan"))
-    common = (x, batch.dt, batch.A, B, C, batch.D, batch.dt_bias, DT_MIN)
+    common = (x, batch.dt, batch.A, B, C, batch.D, batch.dt_bias, DT_LIMIT)
     if decode:
         ops[3](*common, ssm_state, batch.seq_lens, batch.state_slots, y)
     else:

@@ -3,6 +3,8 @@ through the engine: greedy tokens, chunked prefill, preemption and abort giving 
 block and state slot; and the mixer through our Triton kernels. (Prefill, decode and chunks
 mixed with decodes, stepped by hand on every device: test_models_hf.)"""
 
+import math
+
 import pytest
 import torch
 
@@ -17,10 +19,12 @@ from tests.hf_tiny import (
     PagedHarness,
     assert_rows_match,
     hf_greedy,
+    hf_logits,
     random_prompt,
     save_tiny_model,
 )
 from tests.kernels_support import kernels_skip_reason
+from tests.numerics import relative_error
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 30))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -159,7 +163,84 @@ def test_config_layouts_old_and_new_and_refusals():
         assert config.layer_types == "M-*M" and config.num_hidden_layers == 4
         assert (config.num_attention_layers, config.num_mamba_layers) == (1, 2)
         assert config.mamba.conv_dim == 4 * 2 + 2 * 2 * 4
+    assert config.mamba.dt_limit == UNCLAMPED
+    assert ModelConfig.from_hf_dict(old | {"mamba_dt_limit": [0.001, 0.1]}).mamba.dt_limit \
+        == (0.001, 0.1)
+    with pytest.raises(ValueError, match="time_step_limit"):
+        ModelConfig.from_hf_dict(old | {"time_step_limit": [0.1, 0.01]})
     with pytest.raises(ValueError, match=r"\['E'\].*no MoE"):
         ModelConfig.from_hf_dict(old | {"hybrid_override_pattern": "M-E*"})
     with pytest.raises(ValueError, match="mamba_num_heads=4 is not a multiple of n_groups=3"):
         ModelConfig.from_hf_dict(old | {"n_groups": 3})
+
+
+# Half of every Mamba layer's heads get dt_bias = -8: softplus(dt + dt_bias) ~ 3e-4 there,
+# below time_step_min (0.001), so a clamp at time_step_min changes the logits (~1e-3).
+SLOW_HEAD_DT_BIAS = -8.0
+UNCLAMPED = (0.0, math.inf)
+
+
+def mamba_mixers(hf_model) -> list:
+    return [layer.mixer for layer in hf_model.model.layers if hasattr(layer.mixer, "dt_bias")]
+
+
+def save_slow_heads_model(folder, dt_limit: tuple[float, float]):
+    """The tiny hybrid with slow heads and `time_step_limit` = `dt_limit`, saved; returned
+    as transformers runs it with that limit in its chunked path (it clamps at time_step_min
+    there instead, and never in its decode path)."""
+    hf_model = save_tiny_model("nemotron_h", folder, time_step_limit=dt_limit)
+    with torch.no_grad():
+        for mixer in mamba_mixers(hf_model):
+            mixer.dt_bias[::2] = SLOW_HEAD_DT_BIAS
+    hf_model.save_pretrained(folder)
+    for mixer in mamba_mixers(hf_model):
+        mixer.time_step_limit = dt_limit
+    return hf_model
+
+
+def our_logits(folder, tokens: list[int], prefill: int) -> torch.Tensor:
+    """Our logits at every position of `tokens`: the first `prefill` in one step (several
+    scan chunks), then one decode step per token."""
+    harness = PagedHarness(folder)
+    seq = harness.new_sequence(tokens[:prefill])
+    rows = harness.step([seq], [prefill])
+    for token in tokens[prefill:]:
+        seq.append_token(token)
+        rows += harness.step([seq], [1])
+    return torch.cat(rows)
+
+
+def hf_decode_logits(hf_model, tokens: list[int], prefill: int) -> torch.Tensor:
+    """transformers' logits likewise: its chunked path, then its recurrent decode path."""
+    with torch.no_grad():
+        out = hf_model(torch.tensor([tokens[:prefill]]), use_cache=True)
+        rows, cache = [out.logits[0]], out.past_key_values
+        for token in tokens[prefill:]:
+            out = hf_model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            rows.append(out.logits[0])
+            cache = out.past_key_values
+    return torch.cat(rows).float()
+
+
+@pytest.mark.parametrize("dt_limit", [UNCLAMPED, (0.002, 0.5)], ids=["none", "both"])
+def test_dt_limit_applies_alike_in_prefill_and_decode(tmp_path, dt_limit):
+    """Our prefill and decode rows against transformers' chunked path over the whole
+    sequence with the config's limit: the limit applies at every token, decoded or not
+    (transformers' and mamba_ssm's decode steps skip it). (0.002, 0.5) binds on the slow
+    heads and on many tokens of the others."""
+    hf_model = save_slow_heads_model(tmp_path, dt_limit)
+    tokens = random_prompt(22, seed=5)
+    expected = hf_logits(hf_model, tokens)
+    assert relative_error(our_logits(tmp_path, tokens, 19), expected) <= 1e-4
+
+
+def test_default_dt_limit_matches_transformers_decode_path(tmp_path):
+    """No limit by default: our decode rows equal transformers' decode path (which never
+    clamps); its own chunked path, clamped at time_step_min, is far from both."""
+    hf_model = save_slow_heads_model(tmp_path, UNCLAMPED)
+    tokens = random_prompt(22, seed=5)
+    ours = our_logits(tmp_path, tokens, 19)
+    assert relative_error(ours, hf_decode_logits(hf_model, tokens, 19)) <= 1e-4
+    for mixer in mamba_mixers(hf_model):
+        mixer.time_step_limit = (hf_model.config.time_step_min, math.inf)
+    assert relative_error(ours, hf_logits(hf_model, tokens)) > 1e-3 / 2

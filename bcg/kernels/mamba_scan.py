@@ -59,9 +59,9 @@ def _shapes(x: torch.Tensor, B: torch.Tensor, ssm_state: torch.Tensor,
 
 
 def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                    C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float,
-                    chunk_size: int, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                    seq_lens: torch.Tensor, state_slots: torch.Tensor,
+                    C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                    dt_limit: tuple[float, float], chunk_size: int, ssm_state: torch.Tensor,
+                    cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
                     out: torch.Tensor) -> None:
     """As `bcg.layers.mamba_ref.ssd_scan_ref` (`chunk_size`, the model's, is not needed:
     the kernel steps by its own chunk length)."""
@@ -76,7 +76,7 @@ def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
     _launch_scan(
         (num_seqs, heads, cdiv(head_dim, block_p)),
         (x, dt, A, B, C, D, dt_bias, ssm_state, cu_seqlens, seq_lens, state_slots, out),
-        (float(dt_min),),
+        _dt_bounds(dt_limit),
         {"HEADS": heads, "HEAD_DIM": head_dim, "HEADS_PER_GROUP": heads // groups,
          "STATE": state_size, "STRIDE_X": x.stride(0), "STRIDE_DT": dt.stride(0),
          "STRIDE_B": B.stride(0), "STRIDE_OUT": out.stride(0), "CHUNK": config.chunk,
@@ -87,9 +87,9 @@ def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
 
 def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-                           dt_bias: torch.Tensor, dt_min: float, ssm_state: torch.Tensor,
-                           seq_lens: torch.Tensor, state_slots: torch.Tensor,
-                           out: torch.Tensor) -> None:
+                           dt_bias: torch.Tensor, dt_limit: tuple[float, float],
+                           ssm_state: torch.Tensor, seq_lens: torch.Tensor,
+                           state_slots: torch.Tensor, out: torch.Tensor) -> None:
     """As `bcg.layers.mamba_ref.selective_state_update_ref`: x, out `[S, H, P]`."""
     heads, head_dim, groups, state_size = _shapes(x, B, ssm_state, out)
     if C.stride() != B.stride():
@@ -101,7 +101,7 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     _launch_update(
         (x.shape[0], heads, cdiv(head_dim, block_p)),
         (x, dt, A, B, C, D, dt_bias, ssm_state, seq_lens, state_slots, out),
-        (float(dt_min),),
+        _dt_bounds(dt_limit),
         {"HEADS": heads, "HEAD_DIM": head_dim, "HEADS_PER_GROUP": heads // groups,
          "STATE": state_size, "STRIDE_X": x.stride(0), "STRIDE_DT": dt.stride(0),
          "STRIDE_B": B.stride(0), "STRIDE_OUT": out.stride(0), "BLOCK_P": block_p,
@@ -109,20 +109,27 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     )
 
 
+def _dt_bounds(dt_limit: tuple[float, float]) -> tuple[float, float]:
+    """The kernels' runtime scalars (dt_low, dt_high); inf passes as fp32 inf."""
+    low, high = dt_limit
+    return float(low), float(high)
+
+
 @triton.jit
-def _step_size(raw, bias, dt_min):
-    """softplus(raw + bias) (as torch: linear above 20, log1p made exact), at least dt_min."""
+def _step_size(raw, bias, dt_low, dt_high):
+    """softplus(raw + bias) (as torch: linear above 20, log1p made exact), clamped into
+    [dt_low, dt_high]."""
     v = raw.to(tl.float32) + bias
     e = tl.exp(tl.minimum(v, 20.0))
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
-    return tl.maximum(tl.where(v > 20.0, v, log1p), dt_min)
+    return tl.minimum(tl.maximum(tl.where(v > 20.0, v, log1p), dt_low), dt_high)
 
 
 @triton.jit
 def _scan_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr, cu_ptr, seq_lens_ptr,
-    slots_ptr, out_ptr, dt_min,
+    slots_ptr, out_ptr, dt_low, dt_high,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     STATE: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_DT: tl.constexpr,
     STRIDE_B: tl.constexpr, STRIDE_OUT: tl.constexpr, CHUNK: tl.constexpr,
@@ -151,7 +158,7 @@ def _scan_kernel(
         row_ok = rows < length
         tokens = start + rows
         dt = _step_size(tl.load(dt_ptr + tokens * STRIDE_DT + head, mask=row_ok, other=0.0),
-                        dt_bias, dt_min)
+                        dt_bias, dt_low, dt_high)
         dt = tl.where(row_ok, dt, 0.0)  # padding rows neither decay nor add
         decay = tl.cumsum(dt * a_head, 0)  # log of the decay from the chunk's start
         x = tl.load(x_ptr + tokens[:, None] * STRIDE_X + head * HEAD_DIM + p[None, :],
@@ -177,7 +184,7 @@ def _scan_kernel(
 @triton.jit
 def _update_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr, seq_lens_ptr, slots_ptr,
-    out_ptr, dt_min,
+    out_ptr, dt_low, dt_high,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     STATE: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_DT: tl.constexpr,
     STRIDE_B: tl.constexpr, STRIDE_OUT: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -196,7 +203,7 @@ def _update_kernel(
     read_state = (slot >= 0) & (tl.load(seq_lens_ptr + row) > 1)  # not a one-token prompt
     state = tl.load(state_tile, mask=tile_ok & read_state, other=0.0)
     dt = _step_size(tl.load(dt_ptr + row * STRIDE_DT + head),
-                    tl.load(dt_bias_ptr + head).to(tl.float32), dt_min)
+                    tl.load(dt_bias_ptr + head).to(tl.float32), dt_low, dt_high)
     x = tl.load(x_ptr + row * STRIDE_X + head * HEAD_DIM + p, mask=p_ok, other=0.0)
     x = x.to(tl.float32)
     b = tl.load(b_ptr + row * STRIDE_B + group * STATE + n, mask=n_ok, other=0.0)

@@ -26,7 +26,7 @@ class MambaLayer(Protocol):
     head_dim: int
     state_size: int
     chunk_size: int
-    dt_min: float
+    dt_limit: tuple[float, float]
     inner_size: int
     conv_dim: int
     conv1d: Any  # .weight [conv_dim, K], .bias [conv_dim] or None
@@ -78,10 +78,10 @@ class MambaBackend:
         y = out.view(tokens, layer.num_heads, layer.head_dim)
         A = -torch.exp(layer.A_log.float())
         if batch.is_decode:
-            self.ops.state_update(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_min,
+            self.ops.state_update(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
                                   ssm_state, batch.seq_lens, batch.state_slots, y)
         else:
-            self.ops.scan(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_min,
+            self.ops.scan(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
                           layer.chunk_size, ssm_state, batch.cu_seqlens_q, batch.seq_lens,
                           batch.state_slots, y)
 

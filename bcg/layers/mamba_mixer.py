@@ -52,7 +52,7 @@ class MambaMixer2(nn.Module):
         self.num_heads = tp.shard(config.num_heads, "mamba_num_heads")[1]
         self.n_groups = tp.shard(config.n_groups, "n_groups (Mamba groups)")[1]
         self.head_dim, self.state_size = config.head_dim, config.state_size
-        self.chunk_size, self.dt_min = config.chunk_size, config.dt_min
+        self.chunk_size, self.dt_limit = config.chunk_size, config.dt_limit
         self.inner_size = self.num_heads * self.head_dim
         groups_size = config.n_groups * config.state_size
         conv_blocks = [config.inner_size, groups_size, groups_size]

@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 
-def softplus_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float) -> torch.Tensor:
-    """The step size of each token and head: softplus(dt + dt_bias), at least `dt_min`."""
-    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
+def softplus_dt(dt: torch.Tensor, dt_bias: torch.Tensor,
+                dt_limit: tuple[float, float]) -> torch.Tensor:
+    """The step size of each token and head: softplus(dt + dt_bias) clamped into `dt_limit`."""
+    low, high = dt_limit
+    return F.softplus(dt.float() + dt_bias.float()).clamp(min=low, max=high)
 
 
 def _initial(cache: torch.Tensor, slot: int, has_prefix: bool) -> torch.Tensor:
@@ -64,14 +66,15 @@ def causal_conv1d_update_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def ssd_scan_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                 C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float,
-                 chunk_size: int, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                 seq_lens: torch.Tensor, state_slots: torch.Tensor, out: torch.Tensor) -> None:
+                 C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                 dt_limit: tuple[float, float], chunk_size: int, ssm_state: torch.Tensor,
+                 cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
+                 out: torch.Tensor) -> None:
     """Mamba2's SSM over a varlen batch, chunk by chunk (the state-space dual form).
     x, out `[T, H, P]`, dt `[T, H]` (before softplus), A, D, dt_bias `[H]`, B, C `[T, G, N]`,
     ssm_state `[slots, H, P, N]`."""
     heads_per_group = x.shape[1] // B.shape[1]
-    dt = softplus_dt(dt, dt_bias, dt_min)
+    dt = softplus_dt(dt, dt_bias, dt_limit)
     for start, end, slot, has_prefix in _sequences(cu_seqlens, seq_lens, state_slots):
         state = _initial(ssm_state, slot, has_prefix)
         span = slice(start, end)
@@ -108,11 +111,11 @@ def _ssd_chunk(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 
 def selective_state_update_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                                B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-                               dt_bias: torch.Tensor, dt_min: float, ssm_state: torch.Tensor,
-                               seq_lens: torch.Tensor, state_slots: torch.Tensor,
-                               out: torch.Tensor) -> None:
+                               dt_bias: torch.Tensor, dt_limit: tuple[float, float],
+                               ssm_state: torch.Tensor, seq_lens: torch.Tensor,
+                               state_slots: torch.Tensor, out: torch.Tensor) -> None:
     """One token per sequence: x, out `[S, H, P]`, dt `[S, H]`, B, C `[S, G, N]`; each
     sequence's state (zero without a slot or before its first token) advances by it."""
     cu = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
-    ssd_scan_ref(x, dt, A, B, C, D, dt_bias, dt_min, 1, ssm_state, cu, seq_lens, state_slots,
-                 out)
+    ssd_scan_ref(x, dt, A, B, C, D, dt_bias, dt_limit, 1, ssm_state, cu, seq_lens,
+                 state_slots, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # NemotronH's `hybrid_override_pattern`: one character per layer.
@@ -22,7 +23,9 @@ class MambaConfig:
     chunk_size: int
     conv_bias: bool
     proj_bias: bool
-    dt_min: float  # softplus(dt + dt_bias) is clamped below at this
+    # softplus(dt + dt_bias) is clamped into [low, high] (`time_step_limit`, by default
+    # (0, inf): no clamp) in prefill and decode alike; `time_step_min` only initialises dt_bias.
+    dt_limit: tuple[float, float]
 
     @property
     def inner_size(self) -> int:
@@ -135,9 +138,22 @@ def _parse_mamba(hf: dict) -> MambaConfig:
         chunk_size=hf.get("chunk_size", 128),
         conv_bias=hf.get("use_conv_bias", True),
         proj_bias=hf.get("use_bias", False),
-        # As transformers: dt clamped below at time_step_min (time_step_limit is unused).
-        dt_min=hf.get("time_step_min", 0.001),
+        dt_limit=_parse_dt_limit(hf),
     )
+
+
+def _parse_dt_limit(hf: dict) -> tuple[float, float]:
+    """`time_step_limit` (older configs: `mamba_dt_limit`), (0, inf) when absent, as
+    mamba_ssm's Mamba2 defaults. Its chunked scan clamps with it and its one-token step does
+    not; transformers clamps its chunked path at `time_step_min` instead and its decode not
+    at all. We clamp both, so a token's step size never depends on how it was batched; with
+    the default limit all of these agree."""
+    limit = hf.get("time_step_limit", hf.get("mamba_dt_limit", (0.0, math.inf)))
+    bounds = tuple(float(value) for value in limit)
+    if len(bounds) != 2 or not 0.0 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"config.json: time_step_limit={list(limit)} must be [low, high] "
+                         "with 0 <= low <= high")
+    return bounds
 
 
 def _parse_rope(hf: dict) -> tuple[float, dict | None]:
