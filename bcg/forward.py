@@ -90,6 +90,13 @@ class MambaStateCache:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
+    @staticmethod
+    def bytes_per_slot(num_layers: int, conv_kernel: int, conv_dim: int, num_heads: int,
+                       head_dim: int, state_size: int, dtype: torch.dtype) -> int:
+        conv = (conv_kernel - 1) * conv_dim * dtype.itemsize
+        ssm = num_heads * head_dim * state_size * torch.float32.itemsize
+        return num_layers * (conv + ssm)
+
     def save(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of `slots`' states in every layer, for `restore`."""
         return self.conv[:, slots].clone(), self.ssm[:, slots].clone()

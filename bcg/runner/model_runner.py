@@ -67,7 +67,7 @@ class ModelRunner:
         self.attention = attention_backend(self.device, self.num_heads, self.num_kv_heads,
                                            c.head_dim)
         # Allocated before anything is measured, so the KV cache is sized around it.
-        self.state_cache = self._allocate_state_cache(config)
+        self.state_cache = self._allocate_state_cache(config, max_model_len)
         self.mamba = mamba_backend(self.device) if self.state_cache is not None else None
         self.sampler = Sampler()
         self.sampling = SamplingContext(self.device, c.vocab_size, tuple(eos_token_ids))
@@ -102,18 +102,43 @@ class ModelRunner:
         """Sequences that can hold recurrent state at once (0: the model has none)."""
         return 0 if self.state_cache is None else self.state_cache.num_slots
 
-    def _allocate_state_cache(self, config: EngineConfig) -> MambaStateCache | None:
+    def _allocate_state_cache(self, config: EngineConfig,
+                              max_model_len: int) -> MambaStateCache | None:
         """One slot per sequence that may run at once (max_num_seqs), for a hybrid."""
         c, m = self.model_config, self.model_config.mamba
         if c.num_mamba_layers == 0:
             return None
         tp = tensor_parallel()
-        cache = MambaStateCache(c.num_mamba_layers, config.max_num_seqs, m.conv_kernel,
-                                m.conv_dim // tp.size, m.num_heads // tp.size, m.head_dim,
-                                m.state_size, self.dtype, self.device)
-        logger.info("Mamba state cache: %d slots x %d layers (%.2f GiB), taken before the KV "
-                    "cache is sized", cache.num_slots, c.num_mamba_layers, cache.nbytes / 2**30)
-        return cache
+        shape = dict(num_layers=c.num_mamba_layers, conv_kernel=m.conv_kernel,
+                     conv_dim=m.conv_dim // tp.size, num_heads=m.num_heads // tp.size,
+                     head_dim=m.head_dim, state_size=m.state_size, dtype=self.dtype)
+        self._check_state_slots_fit(config, max_model_len, MambaStateCache.bytes_per_slot(**shape))
+        return MambaStateCache(num_slots=config.max_num_seqs, device=self.device, **shape)
+
+    def _check_state_slots_fit(self, config: EngineConfig, max_model_len: int,
+                               slot_bytes: int) -> None:
+        """The slots come out of the caches' memory budget (gpu_memory_utilization's share
+        left after the weights; on the CPU, the KV cache's budget), leaving at least the KV
+        cache the engine needs: max_model_len tokens (or the kv_cache_tokens asked for)."""
+        kv_tokens = config.kv_cache_tokens or max_model_len
+        kv_bytes = cdiv(kv_tokens, self.block_size) * self._kv_block_bytes()
+        if self.device.type == "cuda":
+            budget, other_hint = self._gpu_budget_left(config), "raise gpu_memory_utilization"
+            where = (f"gpu_memory_utilization={config.gpu_memory_utilization} of the GPU, "
+                     "less what is in use")
+        else:
+            budget, where = cpu_kv_cache_budget(
+                asked=config.max_model_len is not None or config.kv_cache_tokens is not None)
+            other_hint = "lower max_model_len"
+        fit = max(0, budget - kv_bytes) // slot_bytes
+        if fit >= config.max_num_seqs:
+            return
+        hint = f"lower max_num_seqs to {fit} or less, or {other_hint}" if fit else other_hint
+        raise ValueError(
+            f"max_num_seqs={config.max_num_seqs} Mamba state slots ({slot_bytes / 2**20:.1f} MiB "
+            f"each, {config.max_num_seqs * slot_bytes / 2**30:.2f} GiB) and {kv_tokens} tokens "
+            f"of KV cache ({kv_bytes / 2**30:.2f} GiB) do not fit in the {budget / 2**30:.2f} "
+            f"GiB left for the caches ({where}): {hint}")
 
     @property
     def stack_spec(self) -> StackSpec:
@@ -234,8 +259,11 @@ class ModelRunner:
                            "tokens, what the KV cache (%.2f GiB) holds: set max_model_len or "
                            "kv_cache_tokens to choose", max_model_len, capacity, gib)
             self.max_model_len = capacity
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks,
-                    self.block_size, capacity, gib)
+        state = "" if self.state_cache is None else (
+            f"; Mamba state cache: {self.state_cache.num_slots} slots "
+            f"({self.state_cache.nbytes / 2**30:.2f} GiB)")
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s", num_blocks,
+                    self.block_size, capacity, gib, state)
         return self._new_kv_cache(num_blocks)
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:
@@ -256,7 +284,9 @@ class ModelRunner:
     def _cpu_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         """max_model_len tokens, within min(4 GiB, 25% of the available memory); a
         max_model_len the user set gets its tokens while they fit in 90% of it."""
-        budget, self._cpu_kv_budget = cpu_kv_cache_budget(asked=config.max_model_len is not None)
+        state_bytes = 0 if self.state_cache is None else self.state_cache.nbytes
+        budget, self._cpu_kv_budget = cpu_kv_cache_budget(
+            asked=config.max_model_len is not None, taken=state_bytes)
         return min(cdiv(max_model_len, self.block_size), budget // self._kv_block_bytes())
 
     def _kv_block_bytes(self) -> int:
@@ -267,10 +297,15 @@ class ModelRunner:
     def _kv_short_hint(self) -> str:
         """How to get a larger cache, for the error when it cannot hold max_model_len."""
         if self.device.type == "cuda":
-            return "raise gpu_memory_utilization or kv_cache_tokens"
-        budget = getattr(self, "_cpu_kv_budget", None)
-        return ("raise kv_cache_tokens" if budget is None
-                else f"the CPU cache may take {budget}; raise kv_cache_tokens")
+            hint = "raise gpu_memory_utilization or kv_cache_tokens"
+        else:
+            budget = getattr(self, "_cpu_kv_budget", None)
+            hint = ("raise kv_cache_tokens" if budget is None
+                    else f"the CPU cache may take {budget}; raise kv_cache_tokens")
+        if self.state_cache is not None:
+            hint += (f", or lower max_num_seqs (its {self.state_cache.num_slots} Mamba state "
+                     f"slots take {self.state_cache.nbytes / 2**30:.2f} GiB)")
+        return hint
 
     def _free_kv_bytes(self, config: EngineConfig, max_model_len: int) -> int:
         """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now
@@ -278,9 +313,12 @@ class ModelRunner:
         with startup_step("activation profile"):
             activation_bytes = self._profile_activation_bytes(
                 config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+        return max(0, self._gpu_budget_left(config) - activation_bytes)
+
+    def _gpu_budget_left(self, config: EngineConfig) -> int:
+        """The gpu_memory_utilization share of the GPU minus what is in use now."""
         free, total = torch.cuda.mem_get_info(self.device)
-        allowed = int(total * config.gpu_memory_utilization)
-        return max(0, allowed - (total - free) - activation_bytes)
+        return int(total * config.gpu_memory_utilization) - (total - free)
 
     @torch.inference_mode()
     def _profile_activation_bytes(self, num_tokens: int, max_num_seqs: int,
