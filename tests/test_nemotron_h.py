@@ -11,7 +11,11 @@ import torch
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.forward import MambaStateCache
+from bcg.graph import BridgeBuffers, use_bridge_buffers
 from bcg.layers.mamba_backend import MambaBackend, MambaOps
+from bcg.layers.mamba_mixer import MambaMixer2
+from bcg.loader.model_loader import load_model
+from bcg.loader.model_source import resolve_model
 from bcg.models.config import ModelConfig
 from bcg.runner.graph_verify import verify_graphs
 from tests.hf_tiny import (
@@ -127,6 +131,25 @@ def test_triton_kernels_in_the_model_match_transformers(hf_folder):
         assert_rows_match(tiny, seq, rows, seq.num_tokens - 1)
 
 
+def test_bridge_buffers_carry_the_mixer_without_changing_it(hf_folder):
+    """Inside a runner's bridge scope (as while capturing) the mixer's projection, conv
+    output and scan output live in shared bridge buffers; a prefill then a decode step
+    through them still match transformers."""
+    hf_model, folder = hf_folder
+    harness = PagedHarness(folder)
+    tiny = (hf_model, harness, 1e-4)
+    bridges = BridgeBuffers()
+    seqs = [harness.new_sequence(random_prompt(n, seed=n)) for n in (3, 19)]
+    with use_bridge_buffers(bridges):
+        for seq, rows in zip(seqs, harness.step(seqs, [3, 19]), strict=True):
+            assert_rows_match(tiny, seq, rows, 0)
+            seq.append_token(int(rows[-1].argmax()))
+        for seq, rows in zip(seqs, harness.step(seqs, [1, 1]), strict=True):
+            assert_rows_match(tiny, seq, rows, seq.num_tokens - 1)
+    names = {name for name, _, _ in bridges._buffers}
+    assert {"mamba_in_proj", "mamba_activated", "mamba_output"} <= names
+
+
 class EagerAsGraph:
     """A stand-in graph runner (CPU: no CUDA graphs) whose replay is the eager stack."""
 
@@ -149,6 +172,17 @@ def test_verify_graphs_runs_both_sides_from_the_same_state(hf_folder, monkeypatc
     monkeypatch.setattr(MambaStateCache, "restore", lambda *args: None)
     with pytest.raises(RuntimeError, match="differs from eager"):
         verify_graphs(runner)
+
+
+@pytest.mark.parametrize("dummy", [False, True], ids=["checkpoint", "dummy"])
+def test_A_is_derived_once_in_fp32_after_loading(hf_folder, dummy):
+    source = resolve_model(str(hf_folder[1]), dummy_weights=dummy)
+    model = load_model(source, torch.bfloat16, torch.device("cpu"))
+    mixers = [m for m in model.modules() if isinstance(m, MambaMixer2)]
+    assert len(mixers) == 3
+    for mixer in mixers:
+        assert mixer.A.dtype == torch.float32 and "A" not in mixer.state_dict()
+        assert torch.equal(mixer.A, -torch.exp(mixer.A_log.float()))
 
 
 def test_config_layouts_old_and_new_and_refusals():

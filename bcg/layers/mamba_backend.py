@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from bcg.forward import ForwardContext
+from bcg.graph import bridge_buffer
 from bcg.layers import mamba_ref, triton_ops
 
 
@@ -31,7 +32,7 @@ class MambaLayer(Protocol):
     conv_dim: int
     conv1d: Any  # .weight [conv_dim, K], .bias [conv_dim] or None
     dt_bias: torch.Tensor
-    A_log: torch.Tensor
+    A: torch.Tensor  # -exp(A_log), fp32
     D: torch.Tensor
 
 
@@ -62,7 +63,9 @@ class MambaBackend:
         start = layer.inner_size
         xbc = projected[:, start : start + layer.conv_dim]
         dt = projected[:, start + layer.conv_dim :]
-        activated = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
+        activated = bridge_buffer("mamba_activated", xbc.shape, xbc.dtype, xbc.device)
+        if activated is None:
+            activated = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
         weight, bias = layer.conv1d.weight, layer.conv1d.bias
         if batch.is_decode:
             self.ops.conv_update(xbc, weight, bias, conv_state, batch.seq_lens,
@@ -76,12 +79,11 @@ class MambaBackend:
         B = B.view(tokens, layer.n_groups, layer.state_size)
         C = C.view(tokens, layer.n_groups, layer.state_size)
         y = out.view(tokens, layer.num_heads, layer.head_dim)
-        A = -torch.exp(layer.A_log.float())
         if batch.is_decode:
-            self.ops.state_update(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
+            self.ops.state_update(x, dt, layer.A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
                                   ssm_state, batch.seq_lens, batch.state_slots, y)
         else:
-            self.ops.scan(x, dt, A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
+            self.ops.scan(x, dt, layer.A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
                           layer.chunk_size, ssm_state, batch.cu_seqlens_q, batch.seq_lens,
                           batch.state_slots, y)
 

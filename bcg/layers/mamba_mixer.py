@@ -63,6 +63,9 @@ class MambaMixer2(nn.Module):
         self.conv1d = DepthwiseConv(conv_blocks, config.conv_kernel, config.conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        # -exp(A_log) in fp32, derived once after loading (not per layer per step).
+        self.register_buffer("A", torch.empty(self.num_heads, dtype=torch.float32),
+                             persistent=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.norm = GatedRMSNorm(config.inner_size, config.inner_size // config.n_groups, eps,
                                  self.inner_size)
@@ -73,6 +76,10 @@ class MambaMixer2(nn.Module):
         """dt_bias, A_log and D: this rank's heads."""
         param = getattr(self, name.rpartition(".")[2])
         load_rank_blocks(name, param.data, loaded, [self._full_heads])
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        self.A.copy_(-torch.exp(self.A_log.float()))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[T, hidden]` -> `[T, hidden]`; T >= the live token count (rows past it are graph

@@ -47,6 +47,13 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` logits."""
 
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Let layers derive what they keep from their weights, once they are loaded."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
     def ignores_weight(self, name: str) -> bool:
         """Checkpoint entries that have no parameter here (e.g. a head tied to the embedding)."""
         return False
