@@ -28,9 +28,10 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # int32 [num_seqs]: KV length of each sequence incl. new tokens
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]: cache blocks, -1 padded
     sample_indices: torch.Tensor  # int64 [num_samples]: token rows whose logits are sampled
-    # int32 [num_seqs]: each sequence's recurrent state slot (hybrids); < 0 has no slot: its
-    # state starts at zero and is not kept (start-up stand-ins, graph padding).
-    state_slots: torch.Tensor
+    # int32 [num_seqs]: each sequence's recurrent state slot (hybrids; None for models
+    # without state); < 0 has no slot: its state starts at zero and is not kept (start-up
+    # stand-ins, graph padding).
+    state_slots: torch.Tensor | None
     num_tokens: int  # real (unpadded) token count
     num_seqs: int
     max_seqlen_q: int  # most new tokens of one sequence (1 for a pure decode step)

@@ -85,14 +85,15 @@ def samples_this_step(seq: ScheduledSequence, num_new_tokens: int) -> bool:
 
 
 def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_size: int,
-                device: torch.device, store_kv: bool = True) -> ForwardBatch:
+                device: torch.device, store_kv: bool = True,
+                stateful: bool = False) -> ForwardBatch:
     """The next `num_new_tokens` of each sequence as one batch on `device`. With `store_kv`
-    False every cache slot is -1: attention reads the cache but writes nothing to it."""
+    False every cache slot is -1: attention reads the cache but writes nothing to it.
+    `stateful` (a model with recurrent state) adds the sequences' state slots."""
     # Built in `array`s and sent as two buffers (int64, int32): Python lists and one tensor
     # per field cost milliseconds per step at hundreds of sequences.
     input_ids, positions, slots, sample_indices = (array("q") for _ in range(4))
     cu_seqlens_q, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
-    state_slots = array("i", [seq.state_slot for seq in seqs])
     max_blocks = max((len(seq.block_table) for seq in seqs), default=0)
     padding = array("i", [-1]) * max_blocks
     for seq, n in zip(seqs, num_new_tokens, strict=True):
@@ -112,7 +113,10 @@ def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_
     if not store_kv:
         slots = array("q", [-1]) * len(input_ids)
     longs = _upload([input_ids, positions, slots, sample_indices], torch.int64, device)
-    ints = _upload([cu_seqlens_q, seq_lens, block_tables, state_slots], torch.int32, device)
+    int_parts = [cu_seqlens_q, seq_lens, block_tables]
+    if stateful:
+        int_parts.append(array("i", [seq.state_slot for seq in seqs]))
+    ints = _upload(int_parts, torch.int32, device)
     return ForwardBatch(
         input_ids=longs[0],
         positions=longs[1],
@@ -121,7 +125,7 @@ def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_
         cu_seqlens_q=ints[0],
         seq_lens=ints[1],
         block_tables=ints[2].view(len(seqs), max_blocks),
-        state_slots=ints[3],
+        state_slots=ints[3] if stateful else None,
         num_tokens=len(input_ids),
         num_seqs=len(seqs),
         max_seqlen_q=max(num_new_tokens, default=1),

@@ -53,7 +53,8 @@ def verify_graphs(runner: ModelRunner, seed: int = 0) -> None:
     for graph, bucket in checks:
         batch = _fresh_batch(runner, graph, bucket, rng, cursor)
         with torch.inference_mode():
-            slots = [slot for slot in batch.state_slots.tolist() if slot >= 0]
+            slots = ([] if batch.state_slots is None
+                     else [slot for slot in batch.state_slots.tolist() if slot >= 0])
             # Both runs must start from the same recurrent state: the graph's run moves it on.
             saved = runner.state_cache.save(slots) if slots else None
             replayed = graph.run(batch, bucket)[: batch.num_tokens].float()

@@ -144,7 +144,8 @@ class ModelRunner:
     def stack_spec(self) -> StackSpec:
         """What a graph runner captures of this model."""
         return StackSpec(self.model, self.forward_context, self.device,
-                         self.model_config.hidden_size, self.dtype, self.block_size)
+                         self.model_config.hidden_size, self.dtype, self.block_size,
+                         self.state_cache is not None)
 
     def _graph_runners(self, config: EngineConfig, max_model_len: int
                        ) -> tuple[DecodeGraphRunner | None, PrefillGraphRunner | None]:
@@ -237,7 +238,8 @@ class ModelRunner:
                               self.state_cache, self.mamba)
 
     def prepare(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
-        return build_batch(seqs, num_new_tokens, self.block_size, self.device)
+        return build_batch(seqs, num_new_tokens, self.block_size, self.device,
+                           stateful=self.state_cache is not None)
 
     def _allocate_kv_cache(
         self, config: EngineConfig, max_model_len: int, reserved_bytes: int = 0
