@@ -131,16 +131,17 @@ def _varlen_kernel(
         tl.store(out_ptr + (start + rows)[:, None] * STRIDE_OUT + cols[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     # The new state: the last K - 1 inputs (older ones from the old state if the sequence
-    # is shorter), read before the barrier, written after it.
+    # is shorter), read before the barrier, written after it, by lane 0 alone (another
+    # lane reading the old state would race with its write).
     j = tl.arange(0, STATE_ROWS)
     src = length - (TAPS - 1) + j
-    keep = j < TAPS - 1
+    keep = (j < TAPS - 1) & (lane == 0)
     new = tl.load(x_ptr + (start + src)[:, None] * STRIDE_X + cols[None, :],
                   mask=((src >= 0) & keep)[:, None] & col_ok[None, :], other=0.0)
     new += tl.load(state + (src + TAPS - 1)[:, None] * CHANNELS + cols[None, :],
                    mask=((src < 0) & keep & read_state)[:, None] & col_ok[None, :], other=0.0)
     tl.debug_barrier()
-    write = keep & (slot >= 0) & (lane == 0)
+    write = keep & (slot >= 0)
     tl.store(state + j[:, None] * CHANNELS + cols[None, :], new.to(state_ptr.dtype.element_ty),
              mask=write[:, None] & col_ok[None, :])
 

@@ -80,7 +80,8 @@ def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         {"HEADS": heads, "HEAD_DIM": head_dim, "HEADS_PER_GROUP": heads // groups,
          "STATE": state_size, "STRIDE_X": x.stride(0), "STRIDE_DT": dt.stride(0),
          "STRIDE_B": B.stride(0), "STRIDE_OUT": out.stride(0), "CHUNK": config.chunk,
-         "BLOCK_P": block_p, "BLOCK_N": max(16, next_power_of_2(state_size))},
+         "BLOCK_P": block_p, "BLOCK_N": max(16, next_power_of_2(state_size)),
+         "DOT_PRECISION": _dot_precision(x.dtype)},
         num_warps=config.num_warps,
     )
 
@@ -109,6 +110,12 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     )
 
 
+def _dot_precision(dtype: torch.dtype) -> str:
+    """The scan's dots take fp32 operands (converted on load): exact ones for an fp32
+    model, TF32 (tensor cores, a 10-bit mantissa, finer than bf16's) for half types."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def _dt_bounds(dt_limit: tuple[float, float]) -> tuple[float, float]:
     """The kernels' runtime scalars (dt_low, dt_high); inf passes as fp32 inf."""
     low, high = dt_limit
@@ -133,7 +140,7 @@ def _scan_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     STATE: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_DT: tl.constexpr,
     STRIDE_B: tl.constexpr, STRIDE_OUT: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -168,16 +175,18 @@ def _scan_kernel(
         b = tl.load(b_ptr + bc_offsets, mask=bc_ok, other=0.0).to(tl.float32)
         c = tl.load(c_ptr + bc_offsets, mask=bc_ok, other=0.0).to(tl.float32)
         gap = tl.where(causal, decay[:, None] - decay[None, :], float("-inf"))
-        scores = tl.dot(c, tl.trans(b)) * tl.exp(gap) * dt[None, :]
-        y = tl.dot(scores, x)
-        y += tl.dot(c, tl.trans(state)) * tl.exp(decay)[:, None]
+        scores = tl.dot(c, tl.trans(b), input_precision=DOT_PRECISION) * tl.exp(gap) \
+            * dt[None, :]
+        y = tl.dot(scores, x, input_precision=DOT_PRECISION)
+        y += tl.dot(c, tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(decay)[:, None]
         y += d_head * x
         tl.store(out_ptr + tokens[:, None] * STRIDE_OUT + head * HEAD_DIM + p[None, :],
                  y.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (p < HEAD_DIM)[None, :])
         total = tl.sum(tl.where(t == CHUNK - 1, decay, 0.0), 0)  # padding adds nothing
         to_end = tl.exp(total - decay) * dt
-        state = state * tl.exp(total) + tl.dot(tl.trans(x * to_end[:, None]), b)
+        state = state * tl.exp(total) + tl.dot(tl.trans(x * to_end[:, None]), b,
+                                               input_precision=DOT_PRECISION)
     tl.store(state_tile, state, mask=tile_ok & (slot >= 0))
 
 
