@@ -208,6 +208,24 @@ def test_config_layouts_old_and_new_and_refusals():
         ModelConfig.from_hf_dict(old | {"n_groups": 3})
 
 
+def test_config_legacy_mamba_keys_and_fixed_options():
+    """Older configs' mamba_* names (winning over the current ones, as in transformers);
+    options our blocks do not compute are refused."""
+    base = {"architectures": ["NemotronHForCausalLM"], "vocab_size": 16, "hidden_size": 8,
+            "intermediate_size": 8, "num_attention_heads": 2, "mamba_num_heads": 8,
+            "mamba_head_dim": 2, "ssm_state_size": 4, "hybrid_override_pattern": "M*"}
+    legacy = {"mamba_n_groups": 2, "mamba_d_conv": 3, "mamba_chunk_size": 16,
+              "mamba_conv_bias": False, "n_groups": 4, "conv_kernel": 4}
+    mamba = ModelConfig.from_hf_dict(base | legacy).mamba
+    assert (mamba.n_groups, mamba.conv_kernel, mamba.chunk_size, mamba.conv_bias) \
+        == (2, 3, 16, False)
+    assert ModelConfig.from_hf_dict(base).mamba.n_groups == 8  # transformers' default
+    for name, value in (("residual_in_fp32", True), ("mlp_hidden_act", "gelu"),
+                        ("mamba_hidden_act", "relu")):
+        with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
+            ModelConfig.from_hf_dict(base | {name: value})
+
+
 # Half of every Mamba layer's heads get dt_bias = -8: softplus(dt + dt_bias) ~ 3e-4 there,
 # below time_step_min (0.001), so a clamp at time_step_min changes the logits (~1e-3).
 SLOW_HEAD_DT_BIAS = -8.0

@@ -123,9 +123,28 @@ def _parse_layer_types(hf: dict) -> str | None:
     return pattern
 
 
+# Older NemotronH configs' names of Mamba fields (transformers still reads them, and they
+# win over the current names when both are present, as there).
+_LEGACY_MAMBA_KEYS = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
+                      "chunk_size": "mamba_chunk_size", "use_conv_bias": "mamba_conv_bias",
+                      "time_step_limit": "mamba_dt_limit"}
+# What our NemotronH blocks compute, fixed: each field's one supported value (its default).
+_FIXED_HYBRID_OPTIONS = {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu",
+                         "residual_in_fp32": False}
+
+
+def _mamba_field(hf: dict, name: str, default):
+    legacy = _LEGACY_MAMBA_KEYS.get(name)
+    return hf[legacy] if legacy in hf else hf.get(name, default)
+
+
 def _parse_mamba(hf: dict) -> MambaConfig:
+    for name, supported in _FIXED_HYBRID_OPTIONS.items():
+        if hf.get(name, supported) != supported:
+            raise ValueError(f"config.json: {name}={hf[name]!r} is not supported (NemotronH "
+                             f"runs here with {name}={supported!r} only)")
     heads = hf["mamba_num_heads"]
-    groups = hf.get("n_groups", 1)
+    groups = _mamba_field(hf, "n_groups", 8)
     if heads % groups:
         raise ValueError(f"config.json: mamba_num_heads={heads} is not a multiple of "
                          f"n_groups={groups}")
@@ -134,9 +153,9 @@ def _parse_mamba(hf: dict) -> MambaConfig:
         head_dim=hf["mamba_head_dim"],
         state_size=hf["ssm_state_size"],
         n_groups=groups,
-        conv_kernel=hf.get("conv_kernel", 4),
-        chunk_size=hf.get("chunk_size", 128),
-        conv_bias=hf.get("use_conv_bias", True),
+        conv_kernel=_mamba_field(hf, "conv_kernel", 4),
+        chunk_size=_mamba_field(hf, "chunk_size", 128),
+        conv_bias=_mamba_field(hf, "use_conv_bias", True),
         proj_bias=hf.get("use_bias", False),
         dt_limit=_parse_dt_limit(hf),
     )
@@ -148,7 +167,7 @@ def _parse_dt_limit(hf: dict) -> tuple[float, float]:
     not; transformers clamps its chunked path at `time_step_min` instead and its decode not
     at all. We clamp both, so a token's step size never depends on how it was batched; with
     the default limit all of these agree."""
-    limit = hf.get("time_step_limit", hf.get("mamba_dt_limit", (0.0, math.inf)))
+    limit = _mamba_field(hf, "time_step_limit", (0.0, math.inf))
     bounds = tuple(float(value) for value in limit)
     if len(bounds) != 2 or not 0.0 <= bounds[0] <= bounds[1]:
         raise ValueError(f"config.json: time_step_limit={list(limit)} must be [low, high] "
