@@ -16,6 +16,7 @@ from transformers import (
 
 from bcg.config import EngineConfig
 from bcg.engine.block_manager import BlockManager
+from bcg.engine.llm_engine import prefix_caching_enabled
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.sequence import Sequence
 from bcg.loader.model_source import resolve_model
@@ -103,10 +104,10 @@ class PagedHarness:
         config = EngineConfig(model=str(folder), device=device, dtype=dtype,
                               block_size=block_size, **engine_args)
         self.runner = ModelRunner(config, resolve_model(str(folder)), max_model_len=max_model_len)
-        stateful = self.runner.num_state_slots > 0  # no prefix caching then, as the engine's
+        slots = self.runner.num_state_slots
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
-                                          config.enable_prefix_caching and not stateful,
-                                          num_state_slots=self.runner.num_state_slots)
+                                          prefix_caching_enabled(config, slots),
+                                          num_state_slots=slots)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:
         seq = Sequence(str(id(token_ids)), token_ids, SamplingParams(temperature=0))

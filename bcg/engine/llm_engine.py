@@ -67,6 +67,13 @@ class _Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token
 
 
+def prefix_caching_enabled(config: EngineConfig, num_state_slots: int) -> bool:
+    """Prefix caching as `config` asks, but off for a model with recurrent state (state
+    slots): a cached prefix's KV blocks do not bring back the state after it (the prefix
+    would be skipped, its state never computed)."""
+    return config.enable_prefix_caching and num_state_slots == 0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -310,13 +317,11 @@ class LLMEngine:
             self.stats.decode_seconds += seconds
 
     def _prefix_caching(self, config: EngineConfig) -> bool:
-        """Off for models with recurrent state: a cached prefix's KV blocks do not bring back
-        the state after it (the prefix would be skipped, its state never computed)."""
-        if config.enable_prefix_caching and self.runner.num_state_slots:
+        enabled = prefix_caching_enabled(config, self.runner.num_state_slots)
+        if config.enable_prefix_caching and not enabled:
             logger.info("prefix caching is off: %s keeps recurrent (Mamba) state, which "
                         "cached KV blocks cannot restore", self.model_config.architecture)
-            return False
-        return config.enable_prefix_caching
+        return enabled
 
     def _max_model_len(self, config: EngineConfig) -> int:
         limit = self.model_config.max_position_embeddings

@@ -19,9 +19,13 @@ from bcg.distributed.parallel_state import tensor_parallel
 
 def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
     if target.shape != loaded.shape:
-        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
-                         f"{tuple(target.shape)}: does the config match the checkpoint?")
+        raise _shape_error(name, loaded, tuple(target.shape))
     target.copy_(loaded)
+
+
+def _shape_error(name: str, loaded: torch.Tensor, expected: tuple) -> ValueError:
+    return ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
+                      f"{expected}: does the config match the checkpoint?")
 
 
 def load_rank_blocks(name: str, target: torch.Tensor, loaded: torch.Tensor,
@@ -29,8 +33,8 @@ def load_rank_blocks(name: str, target: torch.Tensor, loaded: torch.Tensor,
     """Copy into `target` this rank's equal share of each block of `loaded` (dim 0 cut into
     `block_sizes`, the unsplit sizes), for parameters split by heads or channels."""
     tp = tensor_parallel()
-    if loaded.shape[0] != sum(block_sizes):
-        copy_checked(name, target, loaded)  # the shape error, naming the weight
+    if loaded.shape[0] != sum(block_sizes):  # e.g. already split: never copied as it is
+        raise _shape_error(name, loaded, (sum(block_sizes), *loaded.shape[1:]))
     parts = [piece.narrow(0, tp.rank * (size // tp.size), size // tp.size)
              for piece, size in zip(loaded.split(block_sizes), block_sizes, strict=True)]
     copy_checked(name, target, torch.cat(parts))

@@ -11,13 +11,18 @@ elsewhere (the CPU path and the tests' oracle).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from bcg.forward import ForwardContext
 from bcg.graph import bridge_buffer
 from bcg.layers import mamba_ref, triton_ops
+
+
+class DepthwiseConvWeights(Protocol):
+    weight: torch.Tensor  # [conv_dim, K]
+    bias: torch.Tensor | None  # [conv_dim]
 
 
 class MambaLayer(Protocol):
@@ -30,7 +35,7 @@ class MambaLayer(Protocol):
     dt_limit: tuple[float, float]
     inner_size: int
     conv_dim: int
-    conv1d: Any  # .weight [conv_dim, K], .bias [conv_dim] or None
+    conv1d: DepthwiseConvWeights
     dt_bias: torch.Tensor
     A: torch.Tensor  # -exp(A_log), fp32
     D: torch.Tensor

@@ -11,6 +11,8 @@ first (a one-token prompt). Everything is computed in fp32 and written into `out
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +31,8 @@ def _initial(cache: torch.Tensor, slot: int, has_prefix: bool) -> torch.Tensor:
     return torch.zeros(cache.shape[1:], dtype=torch.float32, device=cache.device)
 
 
-def _sequences(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor):
+def _sequences(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
+               state_slots: torch.Tensor) -> Iterator[tuple[int, int, int, bool]]:
     """(start, end, slot, has_prefix) of each sequence of a varlen batch."""
     cu, lens, slots = cu_seqlens.tolist(), seq_lens.tolist(), state_slots.tolist()
     for i, slot in enumerate(slots):
