@@ -3,6 +3,7 @@ through the engine: greedy tokens, chunked prefill, preemption and abort giving 
 block and state slot; and the mixer through our Triton kernels. (Prefill, decode and chunks
 mixed with decodes, stepped by hand on every device: test_models_hf.)"""
 
+import importlib
 import math
 
 import pytest
@@ -148,6 +149,13 @@ def test_bridge_buffers_carry_the_mixer_without_changing_it(hf_folder):
             assert_rows_match(tiny, seq, rows, seq.num_tokens - 1)
     names = {name for name, _, _ in bridges._buffers}
     assert {"mamba_in_proj", "mamba_activated", "mamba_output"} <= names
+
+
+def test_bench_prefill_gives_a_hybrids_rows_state_slots(hf_folder):
+    """bench_prefill's rows write each sequence's final state, as the engine's prefills."""
+    bench_prefill = importlib.import_module("bench.bench_prefill")
+    batch = bench_prefill.make_batch(PagedHarness(hf_folder[1]).runner, 4, 16)
+    assert batch.state_slots.tolist() == [0, 1, 2, 3]
 
 
 class EagerAsGraph:
