@@ -25,11 +25,15 @@ BLOCK = 16
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
 
 
+def saved_tiny_model(tmp_path_factory, arch: str):
+    folder = tmp_path_factory.mktemp(arch)
+    save_tiny_model(arch, folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    save_tiny_model("llama", folder)
-    return folder
+    return saved_tiny_model(tmp_path_factory, "llama")
 
 
 def runner(folder, monkeypatch, available: int | None, max_model_len=CONTEXT,
@@ -101,9 +105,7 @@ HYBRID_BLOCK_BYTES = 2 * 1 * BLOCK * 2 * 16 * 4
 
 @pytest.fixture(scope="module")
 def tiny_hybrid(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_hybrid")
-    save_tiny_model("nemotron_h", folder)
-    return folder
+    return saved_tiny_model(tmp_path_factory, "nemotron_h")
 
 
 def test_state_slots_and_kv_cache_share_the_budget(tiny_hybrid, monkeypatch, caplog):
