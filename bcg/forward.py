@@ -28,6 +28,10 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # int32 [num_seqs]: KV length of each sequence incl. new tokens
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]: cache blocks, -1 padded
     sample_indices: torch.Tensor  # int64 [num_samples]: token rows whose logits are sampled
+    # int32 [num_seqs]: each sequence's recurrent state slot (hybrids; None for models
+    # without state); < 0 has no slot: its state starts at zero and is not kept (start-up
+    # stand-ins, graph padding).
+    state_slots: torch.Tensor | None
     num_tokens: int  # real (unpadded) token count
     num_seqs: int
     max_seqlen_q: int  # most new tokens of one sequence (1 for a pure decode step)
@@ -61,6 +65,47 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
+class MambaStateCache:
+    """Recurrent state of every running sequence of a hybrid: per Mamba layer one conv state
+    (the last `conv_kernel - 1` inputs of the causal conv) and one SSM state per slot, a
+    sequence keeping its slot from admission to finish. The SSM state is kept in fp32 (as
+    transformers' `mamba_ssm_cache_dtype` default): decode adds to it every token."""
+
+    def __init__(self, num_layers: int, num_slots: int, conv_kernel: int, conv_dim: int,
+                 num_heads: int, head_dim: int, state_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_slots = num_slots
+        # Token-major conv state: one tap's channels contiguous, as the kernels load them.
+        self.conv = torch.zeros(num_layers, num_slots, conv_kernel - 1, conv_dim, dtype=dtype,
+                                device=device)
+        self.ssm = torch.zeros(num_layers, num_slots, num_heads, head_dim, state_size,
+                               dtype=torch.float32, device=device)
+        self._layers = [(self.conv[i], self.ssm[i]) for i in range(num_layers)]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(conv_state [slots, K - 1, conv_dim], ssm_state [slots, heads, head_dim, state])`
+        of the `index`-th Mamba layer."""
+        return self._layers[index]
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, conv_kernel: int, conv_dim: int, num_heads: int,
+                       head_dim: int, state_size: int, dtype: torch.dtype) -> int:
+        conv = (conv_kernel - 1) * conv_dim * dtype.itemsize
+        ssm = num_heads * head_dim * state_size * torch.float32.itemsize
+        return num_layers * (conv + ssm)
+
+    def save(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of `slots`' states in every layer, for `restore`."""
+        return self.conv[:, slots].clone(), self.ssm[:, slots].clone()
+
+    def restore(self, slots: list[int], saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.conv[:, slots], self.ssm[:, slots] = saved
+
+
 @dataclass
 class ForwardContext:
     batch: ForwardBatch
@@ -70,6 +115,11 @@ class ForwardContext:
     # both here and never build their own.
     attention: Any
     attention_metadata: Any = None
+    # Hybrids: the recurrent state cache and the Mamba backend chosen at start-up; the
+    # mixer finds each sequence's slot in `batch.state_slots` (a static buffer in decode
+    # graphs, the live batch behind a prefill graph's break).
+    state_cache: MambaStateCache | None = None
+    mamba: Any = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("bcg_forward_context", default=None)

@@ -64,11 +64,14 @@ def make_runner(model: str) -> tuple[ModelRunner, EngineConfig]:
 
 
 def make_batch(runner: ModelRunner, batch: int, tokens: int):
+    """`batch` fresh prompts; a hybrid's each in its own state slot (max_num_seqs of them),
+    so the mixer writes every final state, as the engine's prefills do."""
     per_seq = tokens // batch
     blocks = cdiv(per_seq, runner.block_size)
     seqs = [
         SyntheticSequence(
-            [(7 * i + s) % 1000 for i in range(per_seq)], list(range(s * blocks, (s + 1) * blocks))
+            [(7 * i + s) % 1000 for i in range(per_seq)], list(range(s * blocks, (s + 1) * blocks)),
+            state_slot=s if runner.num_state_slots else -1,
         )
         for s in range(batch)
     ]

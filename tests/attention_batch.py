@@ -42,7 +42,8 @@ def make_batch(prefix_lens: list[int], new_lens: list[int]) -> tuple[ForwardBatc
         input_ids=torch.zeros(cu[-1], dtype=torch.int64), positions=torch.zeros(cu[-1]),
         slot_mapping=torch.cat(slots), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
-        sample_indices=torch.tensor([c - 1 for c in cu[1:]]), num_tokens=cu[-1],
+        sample_indices=torch.tensor([c - 1 for c in cu[1:]]),
+        state_slots=torch.full((len(new_lens),), -1, dtype=torch.int32), num_tokens=cu[-1],
         num_seqs=len(new_lens), max_seqlen_q=max(new_lens), max_seq_len=max(seq_lens))
     return batch, cache
 

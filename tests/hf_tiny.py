@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    NemotronHConfig,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -15,10 +17,12 @@ from transformers import (
 
 from bcg.config import EngineConfig
 from bcg.engine.block_manager import BlockManager
+from bcg.engine.llm_engine import prefix_caching_enabled
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.sequence import Sequence
 from bcg.loader.model_source import resolve_model
 from bcg.runner.model_runner import ModelRunner
+from tests.numerics import relative_error
 
 VOCAB = 160
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -36,13 +40,21 @@ ARCHS = {
                                         moe_intermediate_size=32, mlp_only_layers=[1],
                                         norm_topk_prob=True, tie_word_embeddings=False),
 }
+# A hybrid with every block kind; chunks of 8 tokens, so prompts span several.
+HYBRID_ARCHS = {
+    "nemotron_h": lambda: NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, hybrid_override_pattern="M*-M-M",
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+        max_position_embeddings=256),
+}
 
 
 def save_tiny_model(arch: str, folder: Path, max_shard_size: str = "50GB", **overrides):
     """Save a random model of `arch` (weights large enough for confident logits), its config
     changed by `overrides`; return it."""
     torch.manual_seed(0)
-    config = ARCHS[arch]()
+    config = (ARCHS | HYBRID_ARCHS)[arch]()
     for name, value in overrides.items():
         setattr(config, name, value)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -58,6 +70,28 @@ def save_tiny_model_and_greedy(arch: str, folder: Path, prompts: list[list[int]]
     """A tiny random `arch` saved in `folder`, and transformers' greedy tokens per prompt."""
     hf_model = save_tiny_model(arch, folder)
     return folder, [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+
+
+# (device, dtype, tolerance) of our logits against transformers' fp32 CPU ones (the reasons
+# for each tolerance: test_models_hf's docstring).
+RUNS = [
+    pytest.param(("cpu", "float32", 1e-4), id="cpu-fp32"),
+    pytest.param(("cuda", "float32", 5e-3), id="cuda-fp32", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "bfloat16", 3e-2), id="cuda-bf16", marks=pytest.mark.gpu),
+]
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+
+
+def assert_rows_match(tiny, seq, rows: torch.Tensor, start: int) -> None:
+    """`rows` (our logits of `seq` from position `start` on) against transformers', for a
+    `tiny` fixture's (hf_model, harness, tolerance)."""
+    hf_model, _, tolerance = tiny
+    ref = hf_logits(hf_model, seq.token_ids[: start + len(rows)])[start:]
+    assert relative_error(rows.cpu(), ref) <= tolerance
 
 
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
@@ -84,8 +118,10 @@ class PagedHarness:
                               block_size=block_size, **engine_args)
         source = resolve_model(str(folder), dummy_weights=config.load_format == "dummy")
         self.runner = ModelRunner(config, source, max_model_len=max_model_len)
+        slots = self.runner.num_state_slots
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
-                                          config.enable_prefix_caching)
+                                          prefix_caching_enabled(config, slots),
+                                          num_state_slots=slots)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:
         seq = Sequence(str(id(token_ids)), token_ids, SamplingParams(temperature=0))

@@ -135,3 +135,19 @@ def test_double_free_is_caught():
     s.block_table = table
     with pytest.raises(AssertionError):
         manager.free(s)
+
+
+def test_state_slots_come_with_the_first_blocks_and_go_with_them():
+    manager = BlockManager(10, BLOCK, enable_prefix_caching=False, num_state_slots=2)
+    first, second, third = seq([1, 2, 3], "a"), seq([4, 5], "b"), seq([6], "c")
+    compute(manager, first, 2)
+    compute(manager, first, 1)  # a later chunk keeps the slot
+    compute(manager, second, 2)
+    assert (first.state_slot, second.state_slot) == (0, 1)
+    free_blocks = manager.num_free_blocks
+    assert not manager.try_allocate(third, 1)  # no slot left: nothing taken
+    assert third.state_slot == -1 and manager.num_free_blocks == free_blocks
+    manager.free(first)
+    assert first.state_slot == -1
+    compute(manager, third, 1)
+    assert third.state_slot == 0 and manager.state_slots.num_free == 0

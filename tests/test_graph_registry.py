@@ -3,6 +3,7 @@
 import torch
 
 from bcg.forward import ForwardBatch
+from bcg.runner.batch import SyntheticSequence, build_batch
 from bcg.runner.decode_graph import build_decode_registry
 from bcg.runner.prefill_graph import build_prefill_registry
 from tests.numerics import poison_registry
@@ -21,6 +22,7 @@ def decode_batch(seq_lens: list[int], blocks: int) -> ForwardBatch:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.full((n, blocks), 7, dtype=torch.int32),
         sample_indices=torch.arange(n),
+        state_slots=torch.arange(n, dtype=torch.int32),
         num_tokens=n,
         num_seqs=n,
         max_seqlen_q=1,
@@ -29,7 +31,8 @@ def decode_batch(seq_lens: list[int], blocks: int) -> ForwardBatch:
 
 
 def test_decode_registry_pads_rows_harmlessly():
-    registry = build_decode_registry(torch.device("cpu"), max_bs=8, max_blocks_per_seq=4)
+    registry = build_decode_registry(torch.device("cpu"), max_bs=8, max_blocks_per_seq=4,
+                                     stateful=True)
     poison_registry(registry, keep=WRITTEN_ONCE)
     registry.fill_from(decode_batch([5, 9, 17], blocks=2), raw_bs=3, padded_bs=8,
                        raw_num_tokens=3, padded_num_tokens=8)
@@ -39,8 +42,19 @@ def test_decode_registry_pads_rows_harmlessly():
     assert view.positions.tolist() == [4, 8, 16, 0, 0, 0, 0, 0]
     assert view.slot_mapping.tolist() == [100, 101, 102] + [-1] * 5
     assert view.seq_lens.tolist() == [5, 9, 17] + [0] * 5
+    assert view.state_slots.tolist() == [0, 1, 2] + [-1] * 5
     assert view.block_tables[:3, :2].eq(7).all() and view.block_tables[3:].eq(0).all()
     assert view.cu_seqlens_q.tolist() == list(range(9))
+
+
+def test_models_without_state_carry_no_state_slots():
+    """Dense models neither build state slots on the host nor fill a static buffer."""
+    registry = build_decode_registry(torch.device("cpu"), max_bs=8, max_blocks_per_seq=4)
+    assert not registry.has_slot("state_slots")
+    seq = SyntheticSequence([1, 2, 3], [0], state_slot=5)
+    assert build_batch([seq], [3], 16, torch.device("cpu")).state_slots is None
+    assert build_batch([seq], [3], 16, torch.device("cpu"), stateful=True).state_slots \
+        .tolist() == [5]
 
 
 def test_prefill_registry_zeroes_the_token_tail():

@@ -1,5 +1,5 @@
-"""Graph runners against the eager stack on tiny random Llama, Qwen3 and Qwen3-MoE models
-(bf16, CUDA).
+"""Graph runners against the eager stack on tiny random Llama, Qwen3, Qwen3-MoE and NemotronH
+models (bf16, CUDA; NemotronH's Mamba2 mixer is a second break, its state carried across steps).
 
 Every mode must give the eager logits for batch sizes {1, 3, 8} x new tokens {1, 7, 100,
 1000} after a cached prefix, and for mixed prefill + decode steps. Tolerance on the relative
@@ -29,7 +29,7 @@ LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=8192, kv_cache_tokens=20000
               max_model_len=1100, enable_prefix_caching=False)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "nemotron_h"])
 def folder(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     save_tiny_model(request.param, path, max_position_embeddings=LIMITS["max_model_len"])

@@ -7,6 +7,8 @@ import struct
 import pytest
 import torch
 
+from bcg.distributed.parallel_state import TensorParallel
+from bcg.layers import linear
 from bcg.loader.gguf_file import read_gguf_config
 from bcg.loader.gguf_reader import GGUFFile
 from bcg.loader.model_loader import load_model
@@ -227,3 +229,16 @@ def test_library_errors_are_quoted_on_one_line(tmp_path, monkeypatch):
     message = str(error.value)
     assert "\n" not in message and "Can't load tokenizer: details" in message
     assert message.endswith("...") and len(message) < 400
+
+
+def test_a_split_weight_of_the_wrong_rows_is_refused_by_name(monkeypatch):
+    """At tp 2 a checkpoint tensor already split (its rank's rows) matches the parameter's
+    shape but not the unsplit blocks: refused, not copied and then cut."""
+    monkeypatch.setattr(linear, "tensor_parallel", lambda: TensorParallel(0, 2))
+    target = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"'mixer.D' has shape \(2, 3\), the model expects "
+                                         r"\(4, 3\)"):
+        linear.load_rank_blocks("mixer.D", target, torch.ones(2, 3), [4])
+    assert not target.any()
+    linear.load_rank_blocks("mixer.D", target, torch.arange(12.0).view(4, 3), [4])
+    assert target.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

@@ -64,7 +64,8 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["MambaForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="MambaForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM"):
+    supported = "LlamaForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM"
+    with pytest.raises(ValueError, match=f"MambaForCausalLM.*{supported}"):
         LLM(model=str(tmp_path), device="cpu")
 
 

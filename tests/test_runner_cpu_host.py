@@ -1,4 +1,5 @@
-"""The CPU KV cache sized to the machine's memory, and the warning when cores are fought over."""
+"""The CPU KV cache and a hybrid's state slots sized to the memory budget, and the warning
+when cores are fought over."""
 
 import gc
 import logging
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from bcg.config import EngineConfig
-from bcg.forward import KVCache
+from bcg.forward import KVCache, MambaStateCache
 from bcg.loader.model_source import resolve_model
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
@@ -26,11 +27,15 @@ BLOCK = 16
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
 
 
+def saved_tiny_model(tmp_path_factory, arch: str):
+    folder = tmp_path_factory.mktemp(arch)
+    save_tiny_model(arch, folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    save_tiny_model("llama", folder)
-    return folder
+    return saved_tiny_model(tmp_path_factory, "llama")
 
 
 def runner(folder, monkeypatch, available: int | None, max_model_len=CONTEXT,
@@ -69,6 +74,7 @@ def test_the_default_cache_is_at_most_4_gib(monkeypatch):
     r.device, r.dtype, r.block_size = torch.device("cpu"), torch.float32, BLOCK
     r.model_config = ModelConfig.from_hf_dict(PRESETS["qwen3-0.6b"])
     r.num_kv_heads = r.model_config.num_key_value_heads
+    r.state_cache = None
     blocks = r._num_kv_blocks(EngineConfig(device="cpu"), 40960, 0)
     assert blocks * r._kv_block_bytes() <= 4 * 2**30 < 40960 // BLOCK * r._kv_block_bytes()
     assert blocks * r._kv_block_bytes() > 3.99 * 2**30
@@ -91,6 +97,61 @@ def test_an_asked_for_max_model_len_gets_its_cache_or_a_clear_error(tiny, monkey
     with pytest.raises(ValueError, match="no memory is left for the KV cache"):
         ModelRunner(EngineConfig(model=str(tiny), device="cpu"), resolve_model(str(tiny)),
                     CONTEXT)
+
+
+# The tiny hybrid (hf_tiny): 3 Mamba layers, each slot holding 3 x 128 conv inputs and an
+# 8 x 8 x 16 SSM state in fp32; its one attention layer's KV block, 2 heads of 16.
+SLOT_BYTES = 3 * (3 * 128 * 4 + 8 * 8 * 16 * 4)
+HYBRID_BLOCK_BYTES = 2 * 1 * BLOCK * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    return saved_tiny_model(tmp_path_factory, "nemotron_h")
+
+
+def test_state_slots_and_kv_cache_share_the_budget(tiny_hybrid, monkeypatch, caplog):
+    """25% of memory holds the context's KV (16 blocks) and 4.5 slots: 8 sequences' slots
+    are refused with how many fit; 4 fit and are logged beside the KV cache."""
+    available = 4 * (16 * HYBRID_BLOCK_BYTES + SLOT_BYTES * 9 // 2)
+    with pytest.raises(ValueError, match=r"max_num_seqs=8 Mamba state slots \(0\.0 MiB each.*"
+                                         r"256 tokens of KV cache .*lower max_num_seqs to 4 or "
+                                         r"less, or lower max_model_len"):
+        runner(tiny_hybrid, monkeypatch, available, block_size=BLOCK, max_num_seqs=8)
+    with caplog.at_level(logging.INFO, logger="bcg.runner.model_runner"):
+        r = runner(tiny_hybrid, monkeypatch, available, block_size=BLOCK, max_num_seqs=4)
+    assert r.num_state_slots == 4 and r.num_kv_blocks == 16
+    assert "KV cache: 16 blocks of 16 tokens (256 tokens, 0.00 GiB); Mamba state cache: 4 " \
+           "slots (0.00 GiB)" in caplog.text
+
+
+def test_state_slots_on_a_gpu_are_refused_past_gpu_memory_utilization(monkeypatch):
+    """nemotron-h-8b (bf16, a slot ~97 MiB) on an 80 GiB GPU with 16 GiB in use: at 30% the
+    256 default slots do not fit beside 8192 tokens of KV; the error says how many do."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (64 * 2**30, 80 * 2**30))
+    r = ModelRunner.__new__(ModelRunner)
+    r.device, r.dtype, r.block_size = torch.device("cuda"), torch.bfloat16, BLOCK
+    r.model_config = ModelConfig.from_hf_dict(PRESETS["nemotron-h-8b"])
+    r.num_kv_heads = r.model_config.num_key_value_heads
+    slot = MambaStateCache.bytes_per_slot(24, 4, 128 * 64 + 2 * 8 * 128, 128, 64, 128,
+                                          torch.bfloat16)
+    assert 97 * 2**20 < slot < 98 * 2**20
+    kv = 8192 // BLOCK * r._kv_block_bytes()
+    fit = (8 * 2**30 - kv) // slot
+    config = EngineConfig(device="cpu", gpu_memory_utilization=0.3)  # r.device is CUDA
+    with pytest.raises(ValueError, match=rf"max_num_seqs=256 Mamba state slots \(97\.4 MiB each, "
+                                         rf"24\.35 GiB\).*8\.00 GiB left.*lower max_num_seqs to "
+                                         rf"{fit} or less, or raise gpu_memory_utilization"):
+        r._check_state_slots_fit(config, 8192, slot)
+    r._check_state_slots_fit(EngineConfig(device="cpu", gpu_memory_utilization=0.3,
+                                          max_num_seqs=fit), 8192, slot)
+
+
+def test_the_kv_budget_is_what_the_state_slots_leave(monkeypatch):
+    """Slots already allocated count back into the available memory, out of the budget."""
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 7 * 2**30)
+    assert host.cpu_kv_cache_budget(asked=False, taken=2**30)[0] == 2**30  # 25% of 8, less 1
+    assert host.cpu_kv_cache_budget(asked=True, taken=2**30)[0] == int(0.9 * 8 * 2**30) - 2**30
 
 
 def test_kv_cache_tokens_wins(tiny, monkeypatch):

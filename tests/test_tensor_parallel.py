@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU with gloo: a model split over 2 (or 4) processes gives the
 logits of the unsplit model (fp32), for Llama (tied head, vocabulary padded), Qwen2
-(biases), Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated) and Qwen3-MoE (its
+(biases), Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated), Qwen3-MoE (its
 experts split by intermediate dimension, or whole experts per rank: expert parallel, by
-all-reduce or all-to-all dispatch), with loaded and with dummy weights."""
+all-reduce or all-to-all dispatch) and NemotronH (Mamba2 heads, groups, conv channels and the
+gated norm split; state carried into the decode), with loaded and with dummy weights."""
 
 import os
 
@@ -70,6 +71,7 @@ def rank_main(rank: int, size: int, port: int, folder, load_format: str, out_pat
     ("qwen3", 4, {}, "auto"),  # 4 heads, 2 KV heads: each KV head on two ranks
     # Tensor parallel, then expert parallel (experts 0-1, 2-3) by all-reduce and all-to-all.
     ("qwen3_moe", 2, {}, "auto"),
+    ("nemotron_h", 2, {}, "auto"),  # Mamba heads and groups split: 4 heads, 1 group per rank
     ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy"),  # random weights split like loaded ones
     ("qwen3_moe", 2, {}, "dummy"),
 ])

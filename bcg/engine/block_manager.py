@@ -4,6 +4,9 @@ A block becomes shareable once it is full and its K/V are computed: it is then r
 under the hash of its tokens chained with the hash of the block before it, so equal hashes
 mean equal prefixes. Freed blocks keep their hash and stay findable until a fresh block is
 needed and they are the least recently freed (LRU eviction).
+
+A hybrid model's sequences also hold a recurrent state slot: taken with their first blocks,
+released with them (finish, abort, preemption), so the scheduler handles both as one.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from array import array
 from collections import OrderedDict
 
 from bcg.engine.sequence import Sequence
+from bcg.engine.state_slots import StateSlotPool
 from bcg.utils import cdiv
 
 
@@ -24,8 +28,10 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.block_size = block_size
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -45,6 +51,11 @@ class BlockManager:
         needed = self.num_blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
+        if self.state_slots is not None and seq.state_slot < 0:
+            slot = self.state_slots.allocate()
+            if slot is None:
+                return False
+            seq.state_slot = slot
         for _ in range(needed):
             seq.block_table.append(self._take_fresh_block())
         return True
@@ -91,6 +102,9 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table = array("i")
         seq.num_offered_blocks = 0
+        if seq.state_slot >= 0:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = -1
 
     def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Extend `seq.block_hashes` over the full blocks among its first `num_tokens` tokens."""

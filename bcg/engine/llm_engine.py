@@ -96,6 +96,13 @@ def start_runner(config: EngineConfig, source: ModelSource | None = None,
     return runner
 
 
+def prefix_caching_enabled(config: EngineConfig, num_state_slots: int) -> bool:
+    """Prefix caching as `config` asks, but off for a model with recurrent state (state
+    slots): a cached prefix's KV blocks do not bring back the state after it (the prefix
+    would be skipped, its state never computed)."""
+    return config.enable_prefix_caching and num_state_slots == 0
+
+
 class LLMEngine:
     """Rank 0 of `config.tensor_parallel_size` ranks: the scheduler, the tokenizer and the
     API live here; the other ranks (spawned here, or started by torchrun) follow its steps.
@@ -130,7 +137,8 @@ class LLMEngine:
         self._close = weakref.finalize(self, workers.close)
         self.max_model_len = self.runner.max_model_len  # lowered if the KV cache is smaller
         block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_kv_blocks, config.block_size, self._prefix_caching(config),
+            num_state_slots=self.runner.num_state_slots,
         )
         self.scheduler = Scheduler(
             block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -355,3 +363,10 @@ class LLMEngine:
             self.stats.prefill_seconds += seconds
         else:
             self.stats.decode_seconds += seconds
+
+    def _prefix_caching(self, config: EngineConfig) -> bool:
+        enabled = prefix_caching_enabled(config, self.runner.num_state_slots)
+        if config.enable_prefix_caching and not enabled:
+            logger.info("prefix caching is off: %s keeps recurrent (Mamba) state, which "
+                        "cached KV blocks cannot restore", self.model_config.architecture)
+        return enabled

@@ -38,6 +38,7 @@ class Sequence:
         self.block_table = array("i")
         self.block_hashes: list[int] = []  # hash of each full block of token_ids, in order
         self.num_offered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.state_slot = -1  # a hybrid's recurrent state slot while running; -1: none
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,10 @@ One concept per module; each exposes plain functions over torch tensors:
 - ``rotary``: neox-style rotary embedding in place, optionally after a per-head RMSNorm
   (Qwen3's q/k norm); the cos/sin tables come from ``bcg.layers.rotary``
 - ``activation``: SiLU-and-mul
+- ``mamba_conv``: Mamba2's causal depthwise conv over a varlen batch with per-sequence conv
+  state, and its one-token update (decode, graph-safe)
+- ``mamba_scan``: Mamba2's chunked SSD scan over a varlen batch from and back into
+  per-sequence state, and the one-token selective state update (decode, graph-safe)
 
 On a machine without CUDA, importing this package turns on Triton's interpreter
 (``TRITON_INTERPRET=1``) unless the variable is already set, so the same kernels run on CPU

@@ -21,9 +21,25 @@ from bcg.distributed.parallel_state import tensor_parallel
 
 def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
     if target.shape != loaded.shape:
-        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
-                         f"{tuple(target.shape)}: does the config match the checkpoint?")
+        raise _shape_error(name, loaded, tuple(target.shape))
     target.copy_(loaded)
+
+
+def _shape_error(name: str, loaded: torch.Tensor, expected: tuple) -> ValueError:
+    return ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
+                      f"{expected}: does the config match the checkpoint?")
+
+
+def load_rank_blocks(name: str, target: torch.Tensor, loaded: torch.Tensor,
+                     block_sizes: list[int]) -> None:
+    """Copy into `target` this rank's equal share of each block of `loaded` (dim 0 cut into
+    `block_sizes`, the unsplit sizes), for parameters split by heads or channels."""
+    tp = tensor_parallel()
+    if loaded.shape[0] != sum(block_sizes):  # e.g. already split: never copied as it is
+        raise _shape_error(name, loaded, (sum(block_sizes), *loaded.shape[1:]))
+    parts = [piece.narrow(0, tp.rank * (size // tp.size), size // tp.size)
+             for piece, size in zip(loaded.split(block_sizes), block_sizes, strict=True)]
+    copy_checked(name, target, torch.cat(parts))
 
 
 class Linear(nn.Module):
@@ -65,8 +81,16 @@ class ColumnParallelLinear(Linear):
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
-    def load_weight(self, name: str, loaded: torch.Tensor, block: int = 0) -> None:
-        """Copy this rank's part of checkpoint tensor `name` (output block `block`)."""
+    def load_weight(self, name: str, loaded: torch.Tensor, block: int | None = None) -> None:
+        """Copy this rank's part of checkpoint tensor `name`: output block `block`, or, with
+        no block named, every block of a checkpoint tensor that holds them all (Mamba2's
+        in_proj: z | x | B | C | dt in one tensor)."""
+        if block is None:
+            if len(self.output_sizes) > 1 and loaded.shape[0] == sum(self.output_sizes):
+                for index, piece in enumerate(loaded.split(self.output_sizes)):
+                    self.load_weight(name, piece, index)
+                return
+            block = 0
         param_name = name.rpartition(".")[2]
         length = self.local_outputs[block]
         part = self.rank * self.parts[block] // self.tp_size

@@ -3,7 +3,8 @@
 On CUDA a layer issues one fused launch where PyTorch would issue several (the launches,
 not the arithmetic, dominate small steps), and attention runs our paged kernels. Under
 `torch.compile` (the piecewise baseline) the small ops stay plain PyTorch so the compiler
-sees and fuses them itself. Elsewhere the PyTorch ops are the reference. The kernels are
+sees and fuses them itself. Elsewhere the PyTorch ops are the reference. The Mamba2 mixer's
+state ops run our kernels on CUDA too (`bcg.layers.mamba_backend`). The kernels are
 imported once here, not per call; they need Triton, which a CPU-only install may lack.
 """
 
@@ -17,6 +18,8 @@ try:
     from bcg.kernels.extend_attention import extend_attention
     from bcg.kernels.fused_moe import fused_experts as fused_experts_kernel
     from bcg.kernels.kv_store import store_kv
+    from bcg.kernels.mamba_conv import causal_conv1d_update, causal_conv1d_varlen
+    from bcg.kernels.mamba_scan import selective_state_update, ssd_scan_varlen
     from bcg.kernels.rmsnorm import add_rms_norm, rms_norm
     from bcg.kernels.rotary import apply_rotary
 
@@ -24,8 +27,9 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-__all__ = ["add_rms_norm", "apply_rotary", "decode_attention", "extend_attention",
-           "fused_experts", "plan_decode", "rms_norm", "silu_and_mul", "store_kv",
+__all__ = ["add_rms_norm", "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen",
+           "decode_attention", "extend_attention", "fused_experts", "plan_decode", "rms_norm",
+           "selective_state_update", "silu_and_mul", "ssd_scan_varlen", "store_kv",
            "use_fused_kernels", "uses_moe_kernel", "uses_triton"]
 
 

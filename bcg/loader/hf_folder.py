@@ -7,6 +7,7 @@ open raises ValueError naming the file.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,11 +17,19 @@ from safetensors import safe_open
 from bcg.config import is_int
 from bcg.models.config import as_id_list
 
+# transformers 5 saves the floats JSON lacks as {"__float__": "Infinity"} (and -Infinity, NaN).
+_TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _untag_float(obj: dict) -> dict | float:
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return _TAGGED_FLOATS.get(tag, obj) if isinstance(tag, str) else obj
+
 
 def read_json_object(path: Path) -> dict:
     """A JSON file holding an object; ValueError naming the file otherwise."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"), object_hook=_untag_float)
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not a JSON file (it is not UTF-8 text)") from None
     except json.JSONDecodeError as error:

@@ -23,6 +23,7 @@ def load_model(
         fill_dummy_weights(model, seed)
     else:
         model.load_weights(source.weights())
+    model.process_weights_after_loading()
     return model.eval()
 
 

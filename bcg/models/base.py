@@ -16,7 +16,19 @@ import torch
 from torch import nn
 
 from bcg.layers.linear import Linear, copy_checked
+from bcg.layers.norm import RMSNorm
 from bcg.models.config import ModelConfig
+
+
+def run_residual_stack(layers: nn.ModuleList, positions: torch.Tensor,
+                       hidden_states: torch.Tensor, final_norm: RMSNorm) -> torch.Tensor:
+    """Pre-norm layers, each called `(positions, hidden, residual) -> (hidden, residual)`
+    (the residual add fused into the next norm), then the final norm of their sum."""
+    residual = None
+    for layer in layers:
+        hidden_states, residual = layer(positions, hidden_states, residual)
+    hidden_states, _ = final_norm.add_and_norm(hidden_states, residual)
+    return hidden_states
 
 
 class CausalLM(nn.Module, ABC):
@@ -34,6 +46,13 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` logits."""
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Let layers derive what they keep from their weights, once they are loaded."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
 
     def ignores_weight(self, name: str) -> bool:
         """Checkpoint entries that have no parameter here (e.g. a head tied to the embedding)."""

@@ -15,7 +15,7 @@ from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.norm import RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
-from bcg.models.base import CausalLM
+from bcg.models.base import CausalLM, run_residual_stack
 from bcg.models.config import ModelConfig
 
 
@@ -24,7 +24,7 @@ class LlamaAttention(nn.Module):
         self,
         config: ModelConfig,
         layer_id: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,  # None: no positional encoding (NemotronH)
         qkv_bias: bool,
         qk_norm: bool,
     ) -> None:
@@ -54,7 +54,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.qk_norms)  # one kernel on CUDA
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k, self.qk_norms)  # one kernel on CUDA
         out = self.attn(q, k, v)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
@@ -83,11 +84,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
+        hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm.add_and_norm(
             hidden_states, residual
@@ -117,19 +114,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
-        return hidden_states
+        return run_residual_stack(self.layers, positions, self.embed_tokens(input_ids),
+                                  self.norm)
+
+
+# The checkpoint's q, k and v projections load into LlamaAttention's merged qkv_proj.
+QKV_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
 
 class LlamaForCausalLM(CausalLM):
     packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
+        **QKV_PACKED,
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }

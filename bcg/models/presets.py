@@ -25,6 +25,17 @@ _QWEN3_MOE_COMMON = {
     "tie_word_embeddings": False,
 }
 
+_NEMOTRON_H_COMMON = {
+    "architectures": ["NemotronHForCausalLM"],
+    "vocab_size": 131072,
+    "mamba_head_dim": 64,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "layer_norm_epsilon": 1e-5,
+    "max_position_embeddings": 8192,
+    "eos_token_id": 2,
+}
+
 PRESETS: dict[str, dict] = {
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
@@ -106,5 +117,31 @@ PRESETS: dict[str, dict] = {
         "moe_intermediate_size": 1536,
         "num_hidden_layers": 94,
         "num_attention_heads": 64,
+    },
+    "nemotron-h-8b": {  # nvidia/Nemotron-H-8B-Base-8K
+        **_NEMOTRON_H_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 21504,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_num_heads": 128,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+    },
+    "nemotron-h-tiny": {  # every block kind, for tests and quick runs
+        **_NEMOTRON_H_COMMON,
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "hybrid_override_pattern": "M-*M-M*-",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "mamba_num_heads": 8,
+        "ssm_state_size": 32,
+        "n_groups": 2,
+        "chunk_size": 16,
     },
 }

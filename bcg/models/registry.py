@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from bcg.models.base import CausalLM
 from bcg.models.llama import LlamaForCausalLM
+from bcg.models.nemotron_h import NemotronHForCausalLM
 from bcg.models.qwen2 import Qwen2ForCausalLM
 from bcg.models.qwen3 import Qwen3ForCausalLM
 from bcg.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

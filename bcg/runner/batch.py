@@ -41,6 +41,7 @@ class ScheduledSequence(Protocol):
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V are already in the cache
     block_table: array | list[int]  # array('i') (copied fastest) or a list of ints
+    state_slot: int  # recurrent state slot of a hybrid's sequence; -1: none
     sampling_params: SamplingOptions
     generator: torch.Generator | None
 
@@ -69,6 +70,7 @@ class SyntheticSequence:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int = 0
+    state_slot: int = -1  # no state kept
     sampling_params: SamplingOptions = field(default_factory=SlowestSampling)
     generator: None = None
 
@@ -83,10 +85,12 @@ def samples_this_step(seq: ScheduledSequence, num_new_tokens: int) -> bool:
 
 
 def build_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_size: int,
-                device: torch.device, store_kv: bool = True) -> ForwardBatch:
+                device: torch.device, store_kv: bool = True,
+                stateful: bool = False) -> ForwardBatch:
     """The next `num_new_tokens` of each sequence as one batch on `device`. With `store_kv`
-    False every cache slot is -1: attention reads the cache but writes nothing to it."""
-    return build_host_batch(seqs, num_new_tokens, block_size, store_kv).upload(device)
+    False every cache slot is -1: attention reads the cache but writes nothing to it.
+    `stateful` (a model with recurrent state) adds the sequences' state slots."""
+    return build_host_batch(seqs, num_new_tokens, block_size, store_kv, stateful).upload(device)
 
 
 @dataclass(frozen=True)
@@ -96,23 +100,25 @@ class HostBatch:
     workers receive these arrays' bytes from rank 0 and upload them themselves."""
 
     longs: array  # 'q': input_ids | positions | slot_mapping | sample_indices
-    ints: array  # 'i': cu_seqlens_q | seq_lens | block_tables
+    ints: array  # 'i': cu_seqlens_q | seq_lens | block_tables | state_slots (stateful only)
     num_tokens: int
     num_seqs: int
     num_samples: int
     max_blocks: int
     max_seqlen_q: int
     max_seq_len: int
+    num_state_slots: int  # num_seqs for a model with recurrent state, else 0
 
     def sizes(self) -> list[int]:
         return [self.num_tokens, self.num_seqs, self.num_samples, self.max_blocks,
-                self.max_seqlen_q, self.max_seq_len]
+                self.max_seqlen_q, self.max_seq_len, self.num_state_slots]
 
     def upload(self, device: torch.device) -> ForwardBatch:
         tokens, seqs = self.num_tokens, self.num_seqs
         longs = _upload(self.longs, [tokens, tokens, tokens, self.num_samples], torch.int64,
                         device)
-        ints = _upload(self.ints, [seqs + 1, seqs, seqs * self.max_blocks], torch.int32, device)
+        ints = _upload(self.ints, [seqs + 1, seqs, seqs * self.max_blocks,
+                                   self.num_state_slots], torch.int32, device)
         return ForwardBatch(
             input_ids=longs[0],
             positions=longs[1],
@@ -121,6 +127,7 @@ class HostBatch:
             cu_seqlens_q=ints[0],
             seq_lens=ints[1],
             block_tables=ints[2].view(seqs, self.max_blocks),
+            state_slots=ints[3] if self.num_state_slots else None,
             num_tokens=tokens,
             num_seqs=seqs,
             max_seqlen_q=self.max_seqlen_q,
@@ -129,7 +136,7 @@ class HostBatch:
 
 
 def build_host_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], block_size: int,
-                     store_kv: bool = True) -> HostBatch:
+                     store_kv: bool = True, stateful: bool = False) -> HostBatch:
     """`build_batch`'s host half: the fields as flat arrays, ready to upload or to send."""
     # Built in `array`s and sent as two buffers (int64, int32): Python lists and one tensor
     # per field cost milliseconds per step at hundreds of sequences.
@@ -153,15 +160,19 @@ def build_host_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], b
         block_tables.extend(padding[: max_blocks - len(seq.block_table)])
     if not store_kv:
         slots = array("q", [-1]) * len(input_ids)
+    int_parts = [cu_seqlens_q, seq_lens, block_tables]
+    if stateful:
+        int_parts.append(array("i", [seq.state_slot for seq in seqs]))
     return HostBatch(
         longs=_aligned([input_ids, positions, slots, sample_indices]),
-        ints=_aligned([cu_seqlens_q, seq_lens, block_tables]),
+        ints=_aligned(int_parts),
         num_tokens=len(input_ids),
         num_seqs=len(seqs),
         num_samples=len(sample_indices),
         max_blocks=max_blocks,
         max_seqlen_q=max(num_new_tokens, default=1),
         max_seq_len=max(seq_lens, default=0),
+        num_state_slots=len(seqs) if stateful else 0,
     )
 
 

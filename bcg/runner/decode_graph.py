@@ -1,9 +1,10 @@
 """Decode graphs: batch-size buckets, attention reading the static buffers, so it may be
 captured inside the graph ("full"); padded rows have sequence length 0 and cache slot -1.
 
-The decode registry makes every field attention reads static, and its padded tail harmless:
-positions and token ids zeroed, cache slots -1 (no KV written), sequence lengths 0 (no KV
-read), block-table rows zeroed.
+The decode registry makes every field attention and the Mamba mixer read static, and its
+padded tail harmless: positions and token ids zeroed, cache slots -1 (no KV written),
+sequence lengths 0 (no KV read), block-table rows zeroed, and for a model with recurrent
+state its state slots -1 (no state read or written).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from bcg.utils import cdiv
 ZERO, SENTINEL = PaddingPolicy.ZERO, PaddingPolicy.FILL_SENTINEL
 
 
-def build_decode_registry(device: torch.device, max_bs: int,
-                          max_blocks_per_seq: int) -> GraphBufferRegistry:
-    """Batch-axis buffers for graphs of up to `max_bs` sequences of one new token each."""
+def build_decode_registry(device: torch.device, max_bs: int, max_blocks_per_seq: int,
+                          stateful: bool = False) -> GraphBufferRegistry:
+    """Batch-axis buffers for graphs of up to `max_bs` sequences of one new token each
+    (`stateful`: and their state slots)."""
     registry = GraphBufferRegistry(device, max_bs=max_bs, max_num_tokens=max_bs)
     per_row = lambda bs, _: bs
-    for name, dtype, policy, pad in (("input_ids", torch.int64, ZERO, None),
-                                     ("positions", torch.int64, ZERO, None),
-                                     ("slot_mapping", torch.int64, SENTINEL, -1),
-                                     ("seq_lens", torch.int32, SENTINEL, 0)):
+    rows = [("input_ids", torch.int64, ZERO, None), ("positions", torch.int64, ZERO, None),
+            ("slot_mapping", torch.int64, SENTINEL, -1), ("seq_lens", torch.int32, SENTINEL, 0)]
+    if stateful:
+        rows.append(("state_slots", torch.int32, SENTINEL, -1))
+    for name, dtype, policy, pad in rows:
         registry.register_slot(GraphSlot(name, per_row, dtype, "bs", padding_policy=policy,
                                          pad_value=pad))
     registry.register_slot(GraphSlot("block_tables", lambda bs, _: (bs, max_blocks_per_seq),
@@ -54,9 +57,10 @@ class DecodeGraphRunner(GraphRunner):
                  max_seq_len: int, pool: Any = None) -> None:
         super().__init__(spec, mode, buckets, pool)
         self.max_blocks_per_seq, self.max_seq_len = max_blocks_per_seq, max_seq_len
-        self.registry = build_decode_registry(self.device, self.max_size, max_blocks_per_seq)
+        self.registry = build_decode_registry(self.device, self.max_size, max_blocks_per_seq,
+                                              spec.stateful)
         # No sequences: filling the buffers from it leaves every row as padding.
-        self._empty = build_batch([], [], spec.block_size, self.device)
+        self._empty = build_batch([], [], spec.block_size, self.device, stateful=spec.stateful)
 
     @classmethod
     def from_config(cls, spec: StackSpec, config: EngineConfig, max_model_len: int,

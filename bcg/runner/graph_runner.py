@@ -53,6 +53,7 @@ class StackSpec:
     hidden_size: int
     dtype: torch.dtype
     block_size: int  # of the KV cache
+    stateful: bool  # the model keeps recurrent state: batches carry state slots
 
 
 def graph_mode(requested: str, debug: bool) -> str:

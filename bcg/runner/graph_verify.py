@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # round differently from eager, hence the margin.
 TOLERANCE = 0.05
 MAX_PREFIX = 48
+VERIFIED_STATE_SLOTS = 2
 
 
 @dataclass
@@ -52,7 +53,13 @@ def verify_graphs(runner: ModelRunner, seed: int = 0) -> None:
     for graph, bucket in checks:
         batch = _fresh_batch(runner, graph, bucket, rng, cursor)
         with torch.inference_mode():
+            slots = ([] if batch.state_slots is None
+                     else [slot for slot in batch.state_slots.tolist() if slot >= 0])
+            # Both runs must start from the same recurrent state: the graph's run moves it on.
+            saved = runner.state_cache.save(slots) if slots else None
             replayed = graph.run(batch, bucket)[: batch.num_tokens].float()
+            if saved is not None:
+                runner.state_cache.restore(slots, saved)
             eager = runner.forward_eager(batch).float()
         error = ((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-6)).item()
         if not error <= TOLERANCE:
@@ -84,7 +91,11 @@ def _fresh_batch(runner: ModelRunner, graph: GraphRunner, bucket: int, rng: rand
         prefix = rng.randint(0, min(MAX_PREFIX, max_len - n))
         tokens = [rng.randrange(vocab) for _ in range(prefix + n)]
         blocks = cursor.take(cdiv(prefix + n, runner.block_size))
-        seqs.append(SyntheticSequence(tokens, blocks, num_computed_tokens=prefix))
+        # A hybrid's first sequences read and write real state slots (a few: each is saved
+        # and restored per check), so a graph that ignored the live slots would differ.
+        slot = len(seqs) if len(seqs) < min(VERIFIED_STATE_SLOTS, runner.num_state_slots) else -1
+        seqs.append(SyntheticSequence(tokens, blocks, num_computed_tokens=prefix,
+                                      state_slot=slot))
     return runner.prepare(seqs, new_tokens)
 
 

@@ -42,19 +42,25 @@ def available_memory_bytes() -> int | None:
     return max(0, min(known))
 
 
-def cpu_kv_cache_budget(asked: bool) -> tuple[int, str]:
-    """Bytes the CPU KV cache may take, and why: by default min(4 GiB, 25% of available
-    memory); for a max_model_len the user `asked` for, 90% of available memory."""
+def cpu_kv_cache_budget(asked: bool, taken: int = 0) -> tuple[int, str]:
+    """Bytes the CPU caches (a hybrid's state slots, then the KV cache) may take together,
+    and why: by default min(4 GiB, 25% of available memory); for a max_model_len the user
+    `asked` for, 90% of available memory. `taken`: bytes of them already allocated (the
+    state slots), counted back into the available memory and out of the budget returned."""
     available = available_memory_bytes()
     if available is None:
-        return CPU_KV_CACHE_BYTES, f"{CPU_KV_CACHE_BYTES / GiB:.0f} GiB (available memory unknown)"
+        return (max(0, CPU_KV_CACHE_BYTES - taken),
+                f"{CPU_KV_CACHE_BYTES / GiB:.0f} GiB (available memory unknown)")
+    available += taken
     if asked:
         budget = int(available * CPU_KV_CACHE_FRACTION_ASKED)
-        return budget, (f"{CPU_KV_CACHE_FRACTION_ASKED:.0%} of the {available / GiB:.1f} GiB "
-                        "of memory available")
-    budget = min(CPU_KV_CACHE_BYTES, int(available * CPU_KV_CACHE_FRACTION))
-    return budget, (f"min({CPU_KV_CACHE_BYTES / GiB:.0f} GiB, {CPU_KV_CACHE_FRACTION:.0%} of "
-                    f"the {available / GiB:.1f} GiB of memory available)")
+        why = (f"{CPU_KV_CACHE_FRACTION_ASKED:.0%} of the {available / GiB:.1f} GiB of memory "
+               "available")
+    else:
+        budget = min(CPU_KV_CACHE_BYTES, int(available * CPU_KV_CACHE_FRACTION))
+        why = (f"min({CPU_KV_CACHE_BYTES / GiB:.0f} GiB, {CPU_KV_CACHE_FRACTION:.0%} of the "
+               f"{available / GiB:.1f} GiB of memory available)")
+    return max(0, budget - taken), why
 
 
 def warn_if_cores_contended() -> None:

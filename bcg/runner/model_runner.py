@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model and the KV cache; turns scheduled sequences into tokens.
+"""ModelRunner: owns the model and its caches (the paged KV cache; a hybrid's recurrent
+state cache too); turns scheduled sequences into tokens.
 
 One step is `prepare` (scheduled sequences -> ForwardBatch), `forward` (the transformer
 stack under the forward context; graph runners replace this part), then the head on the
@@ -24,8 +25,15 @@ from bcg.config import EngineConfig
 from bcg.distributed.expert_parallel import set_expert_parallel
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.distributed.step_channel import StepChannel
-from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
+from bcg.forward import (
+    ForwardBatch,
+    ForwardContext,
+    KVCache,
+    MambaStateCache,
+    set_forward_context,
+)
 from bcg.layers.attention_backend import attention_backend
+from bcg.layers.mamba_backend import mamba_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
@@ -88,6 +96,9 @@ class ModelRunner:
         self.num_kv_heads = tp.kv_heads(c.num_key_value_heads)
         self.attention = attention_backend(self.device, self.num_heads, self.num_kv_heads,
                                            c.head_dim)
+        # Allocated before anything is measured, so the KV cache is sized around it.
+        self.state_cache = self._allocate_state_cache(config, max_model_len)
+        self.mamba = mamba_backend(self.device) if self.state_cache is not None else None
         self.sampler = Sampler()
         self.sampling = SamplingContext(self.device, c.vocab_size, tuple(eos_token_ids))
         self.forward_counts: Counter[str] = Counter()
@@ -124,10 +135,54 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     @property
+    def num_state_slots(self) -> int:
+        """Sequences that can hold recurrent state at once (0: the model has none)."""
+        return 0 if self.state_cache is None else self.state_cache.num_slots
+
+    def _allocate_state_cache(self, config: EngineConfig,
+                              max_model_len: int) -> MambaStateCache | None:
+        """One slot per sequence that may run at once (max_num_seqs), for a hybrid."""
+        c, m = self.model_config, self.model_config.mamba
+        if c.num_mamba_layers == 0:
+            return None
+        tp = tensor_parallel()
+        shape = dict(num_layers=c.num_mamba_layers, conv_kernel=m.conv_kernel,
+                     conv_dim=m.conv_dim // tp.size, num_heads=m.num_heads // tp.size,
+                     head_dim=m.head_dim, state_size=m.state_size, dtype=self.dtype)
+        self._check_state_slots_fit(config, max_model_len, MambaStateCache.bytes_per_slot(**shape))
+        return MambaStateCache(num_slots=config.max_num_seqs, device=self.device, **shape)
+
+    def _check_state_slots_fit(self, config: EngineConfig, max_model_len: int,
+                               slot_bytes: int) -> None:
+        """The slots come out of the caches' memory budget (gpu_memory_utilization's share
+        left after the weights; on the CPU, the KV cache's budget), leaving at least the KV
+        cache the engine needs: max_model_len tokens (or the kv_cache_tokens asked for)."""
+        kv_tokens = config.kv_cache_tokens or max_model_len
+        kv_bytes = cdiv(kv_tokens, self.block_size) * self._kv_block_bytes()
+        if self.device.type == "cuda":
+            budget, other_hint = self._gpu_budget_left(config), "raise gpu_memory_utilization"
+            where = (f"gpu_memory_utilization={config.gpu_memory_utilization} of the GPU, "
+                     "less what is in use")
+        else:
+            budget, where = cpu_kv_cache_budget(
+                asked=config.max_model_len is not None or config.kv_cache_tokens is not None)
+            other_hint = "lower max_model_len"
+        fit = max(0, budget - kv_bytes) // slot_bytes
+        if fit >= config.max_num_seqs:
+            return
+        hint = f"lower max_num_seqs to {fit} or less, or {other_hint}" if fit else other_hint
+        raise ValueError(
+            f"max_num_seqs={config.max_num_seqs} Mamba state slots ({slot_bytes / 2**20:.1f} MiB "
+            f"each, {config.max_num_seqs * slot_bytes / 2**30:.2f} GiB) and {kv_tokens} tokens "
+            f"of KV cache ({kv_bytes / 2**30:.2f} GiB) do not fit in the {budget / 2**30:.2f} "
+            f"GiB left for the caches ({where}): {hint}")
+
+    @property
     def stack_spec(self) -> StackSpec:
         """What a graph runner captures of this model."""
         return StackSpec(self.model, self.forward_context, self.device,
-                         self.model_config.hidden_size, self.dtype, self.block_size)
+                         self.model_config.hidden_size, self.dtype, self.block_size,
+                         self.state_cache is not None)
 
     def _prefill_graph_runner(self, config: EngineConfig) -> PrefillGraphRunner | None:
         if self.device.type != "cuda":
@@ -152,7 +207,9 @@ class ModelRunner:
         """Run one step (on rank 0, the other ranks running its plan): sample a token for each
         sequence whose last known token it computes."""
         scoring = _plan_prompt_scoring(seqs, num_new_tokens)
-        plan = StepPlan(build_host_batch(seqs, num_new_tokens, self.block_size), scoring.rows)
+        batch = build_host_batch(seqs, num_new_tokens, self.block_size,
+                                 stateful=self.state_cache is not None)
+        plan = StepPlan(batch, scoring.rows)
         if self.step_channel is not None:
             self.step_channel.send(plan.to_bytes())
         targets = torch.tensor(scoring.targets, device=self.device) if scoring.rows else None
@@ -225,10 +282,12 @@ class ModelRunner:
 
     def forward_context(self, batch: ForwardBatch) -> ForwardContext:
         """What attention reads while the stack runs on `batch` (eagerly or replayed)."""
-        return ForwardContext(batch, self.kv_cache, self.attention, self.attention.metadata(batch))
+        return ForwardContext(batch, self.kv_cache, self.attention, self.attention.metadata(batch),
+                              self.state_cache, self.mamba)
 
     def prepare(self, seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> ForwardBatch:
-        return build_batch(seqs, num_new_tokens, self.block_size, self.device)
+        return build_batch(seqs, num_new_tokens, self.block_size, self.device,
+                           stateful=self.state_cache is not None)
 
     def _allocate_kv_cache(
         self, config: EngineConfig, max_model_len: int, reserved_bytes: int = 0
@@ -250,13 +309,16 @@ class ModelRunner:
                            "tokens, what the KV cache (%.2f GiB) holds: set max_model_len or "
                            "kv_cache_tokens to choose", max_model_len, capacity, gib)
             self.max_model_len = capacity
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks,
-                    self.block_size, capacity, gib)
+        state = "" if self.state_cache is None else (
+            f"; Mamba state cache: {self.state_cache.num_slots} slots "
+            f"({self.state_cache.nbytes / 2**30:.2f} GiB)")
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s", num_blocks,
+                    self.block_size, capacity, gib, state)
         return self._new_kv_cache(num_blocks)
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:
         c = self.model_config
-        return KVCache(c.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
+        return KVCache(c.num_attention_layers, num_blocks, self.block_size, self.num_kv_heads,
                        c.head_dim, self.dtype, self.device)
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, reserved_bytes: int) -> int:
@@ -278,21 +340,28 @@ class ModelRunner:
     def _cpu_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         """max_model_len tokens, within min(4 GiB, 25% of the available memory); a
         max_model_len the user set gets its tokens while they fit in 90% of it."""
-        budget, self._cpu_kv_budget = cpu_kv_cache_budget(asked=config.max_model_len is not None)
+        state_bytes = 0 if self.state_cache is None else self.state_cache.nbytes
+        budget, self._cpu_kv_budget = cpu_kv_cache_budget(
+            asked=config.max_model_len is not None, taken=state_bytes)
         return min(cdiv(max_model_len, self.block_size), budget // self._kv_block_bytes())
 
     def _kv_block_bytes(self) -> int:
         c = self.model_config
-        return KVCache.bytes_per_block(c.num_hidden_layers, self.block_size,
+        return KVCache.bytes_per_block(c.num_attention_layers, self.block_size,
                                        self.num_kv_heads, c.head_dim, self.dtype)
 
     def _kv_short_hint(self) -> str:
         """How to get a larger cache, for the error when it cannot hold max_model_len."""
         if self.device.type == "cuda":
-            return "raise gpu_memory_utilization or kv_cache_tokens"
-        budget = getattr(self, "_cpu_kv_budget", None)
-        return ("raise kv_cache_tokens" if budget is None
-                else f"the CPU cache may take {budget}; raise kv_cache_tokens")
+            hint = "raise gpu_memory_utilization or kv_cache_tokens"
+        else:
+            budget = getattr(self, "_cpu_kv_budget", None)
+            hint = ("raise kv_cache_tokens" if budget is None
+                    else f"the CPU cache may take {budget}; raise kv_cache_tokens")
+        if self.state_cache is not None:
+            hint += (f", or lower max_num_seqs (its {self.state_cache.num_slots} Mamba state "
+                     f"slots take {self.state_cache.nbytes / 2**30:.2f} GiB)")
+        return hint
 
     def _free_kv_bytes(self, config: EngineConfig, max_model_len: int) -> int:
         """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now
@@ -300,9 +369,12 @@ class ModelRunner:
         with startup_step("activation profile"):
             activation_bytes = self._profile_activation_bytes(
                 config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+        return max(0, self._gpu_budget_left(config) - activation_bytes)
+
+    def _gpu_budget_left(self, config: EngineConfig) -> int:
+        """The gpu_memory_utilization share of the GPU minus what is in use now."""
         free, total = torch.cuda.mem_get_info(self.device)
-        allowed = int(total * config.gpu_memory_utilization)
-        return max(0, allowed - (total - free) - activation_bytes)
+        return int(total * config.gpu_memory_utilization) - (total - free)
 
     @torch.inference_mode()
     def _profile_activation_bytes(self, num_tokens: int, max_num_seqs: int,

@@ -33,7 +33,7 @@ class PrefillGraphRunner(GraphRunner):
 
     def __init__(self, spec: StackSpec, mode: str, buckets: list[int], pool: Any = None) -> None:
         super().__init__(spec, mode, buckets, pool)
-        self.block_size = spec.block_size
+        self.block_size, self.stateful = spec.block_size, spec.stateful
         self.registry = build_prefill_registry(self.device, self.max_size)
 
     @classmethod
@@ -62,7 +62,8 @@ class PrefillGraphRunner(GraphRunner):
         # One sequence of `size` new tokens whose keys and values are never stored: attention
         # runs at capture on block 0 and its output is thrown away.
         seq = SyntheticSequence([0] * size, [0] * cdiv(size, self.block_size))
-        template = build_batch([seq], [size], self.block_size, self.device, store_kv=False)
+        template = build_batch([seq], [size], self.block_size, self.device, store_kv=False,
+                               stateful=self.stateful)
         static = self.registry.extract_buffer(padded_bs=1, padded_num_tokens=size,
                                               template=template)
         return static.input_ids, static.positions, self.make_context(static)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from bcg.runner.batch import HostBatch
 
-_HEADER_FIELDS = 9  # HostBatch.sizes() (6), then the lengths of longs, ints and prompt_rows
+_HEADER_FIELDS = 10  # HostBatch.sizes() (7), then the lengths of longs, ints and prompt_rows
 
 
 @dataclass(frozen=True)
