@@ -58,10 +58,14 @@ def test_tp2_generates_tp1s_tokens_and_logprobs(tiny_folder):
             assert ((got - want).abs().max() / want.abs().max()).item() <= TOLERANCE
 
 
-def test_expert_parallel_moe_generates_tp1s_tokens(tmp_path):
-    save_tiny_model("qwen3_moe", tmp_path)
+@pytest.mark.parametrize("arch,extra", [
+    ("qwen3_moe", {"enable_expert_parallel": True}),  # whole experts per rank
+    ("nemotron_h", {}),  # each step's plan carries the state slots
+])
+def test_moe_and_hybrid_generate_tp1s_tokens(tmp_path, arch, extra):
+    save_tiny_model(arch, tmp_path)
     expected = generate(tmp_path, 1)
-    ours = generate(tmp_path, 2, enable_expert_parallel=True)
+    ours = generate(tmp_path, 2, **extra)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in expected]
 
 

@@ -158,7 +158,7 @@ def _model_config(hf_config: dict, origin: Path) -> ModelConfig:
         value = getattr(config, field)
         if not (is_int(value) and value > 0):
             raise ValueError(f"{origin}: {field} must be a positive integer, got {value!r}")
-    if config.num_experts_per_tok > config.num_experts:
+    if config.num_experts and config.num_experts_per_tok > config.num_experts:
         raise ValueError(f"{origin}: num_experts_per_tok ({config.num_experts_per_tok}) exceeds "
                          f"num_experts ({config.num_experts})")
     return config
