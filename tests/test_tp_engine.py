@@ -4,6 +4,7 @@ sampled) within 1e-5; `bcg serve -tp 2` answers the openai client; a worker that
 load or in a step stops the engine with an error naming its rank (no hang); sizes the model
 or the machine cannot take are refused before any weight loads."""
 
+import os
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
 from bcg.distributed import worker
+from bcg.distributed.parallel_state import TensorParallel
 from bcg.distributed.workers import TensorParallelError, check_tensor_parallel_size
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
@@ -112,6 +114,41 @@ def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     llm.close()
     assert time.monotonic() - start < FAILURE_SECONDS
     assert not any(p.is_alive() for p in llm.engine._workers.processes)
+
+
+def worker_dying_in_a_step(*args):
+    def run_plan(self, plan, score_prompt=None):
+        os._exit(3)
+
+    model_runner.ModelRunner.run_plan = run_plan
+    worker.spawned_worker_main(*args)
+
+
+def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
+    """As on GPUs, where the aborted NCCL collectives of a dead worker's peers return
+    garbage instead of raising: rank 0's collectives here wait for the failure, then return
+    without exchanging anything. The step must raise, not hand out those tokens."""
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(worker, "spawned_worker_main", worker_dying_in_a_step)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    workers = llm.engine._workers
+
+    def all_reduce(self, x):
+        workers._failed.wait(FAILURE_SECONDS)
+        return x
+
+    def all_gather_last_dim(self, x):
+        workers._failed.wait(FAILURE_SECONDS)
+        return torch.cat([x] * self.size, dim=-1)
+
+    monkeypatch.setattr(TensorParallel, "all_reduce", all_reduce)
+    monkeypatch.setattr(TensorParallel, "all_gather_last_dim", all_gather_last_dim)
+    llm.engine.add_request(PROMPTS[0], PARAMS)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 3"):
+        llm.engine.step()
+    assert time.monotonic() - start < FAILURE_SECONDS
+    llm.close()
 
 
 def test_bad_sizes_are_refused_before_weights_load(tmp_path, monkeypatch):

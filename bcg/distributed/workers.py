@@ -128,6 +128,7 @@ class Workers:
                 if message is not None and message[0] == "failed":
                     self._record(rank, message[1])
                 elif ready is process.sentinel and not self._closing:
+                    process.join(1)  # reap it: its exit code is unknown until then
                     self._record(rank, f"its process exited with code {process.exitcode}")
                 # else the reports' end of file: the sentinel follows
 
@@ -172,6 +173,11 @@ class Workers:
                     and self._failed.wait(FAILURE_REPORT_SECONDS if self.spawned else 0)):
                 raise self.error() from error
             raise
+        if self.failure is not None:
+            # The step "finished", but a worker failed in it: on GPUs the aborted NCCL
+            # collectives return whatever their buffers held, so its results are garbage.
+            self.broken = "a worker failed in a step"
+            raise self.error()
 
     def close(self) -> None:
         """End every rank: tell the workers to stop (or, out of step, terminate them), close
