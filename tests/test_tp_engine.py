@@ -101,6 +101,20 @@ def test_a_worker_failing_at_load_is_named(tmp_path, monkeypatch):
     assert time.monotonic() - start < FAILURE_SECONDS
 
 
+def worker_exiting_after_start(config, rank, init_method, reports):
+    reports.send(("started", ""))
+    os._exit(4)
+
+
+def test_a_worker_dying_before_the_group_forms_is_named(tmp_path, monkeypatch):
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(worker, "spawned_worker_main", worker_exiting_after_start)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 4"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    assert time.monotonic() - start < FAILURE_SECONDS
+
+
 def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)
     monkeypatch.setattr(worker, "spawned_worker_main", worker_failing_in_a_step)
