@@ -5,6 +5,8 @@ load or in a step stops the engine with an error naming its rank (no hang); size
 or the machine cannot take are refused before any weight loads."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -163,6 +165,29 @@ def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
         llm.engine.step()
     assert time.monotonic() - start < FAILURE_SECONDS
     llm.close()
+
+
+LAUNCHED_WORKER_FAILING = """
+import logging
+from bcg.config import EngineConfig
+from bcg.distributed import worker
+
+def serve_steps(config):
+    raise RuntimeError("injected failure")
+
+logging.basicConfig()
+worker.serve_steps = serve_steps
+worker.launched_worker_main(EngineConfig(device="cpu"))
+"""
+
+
+def test_a_launched_worker_failing_logs_its_rank_and_exits_non_zero():
+    done = subprocess.run([sys.executable, "-c", LAUNCHED_WORKER_FAILING],
+                          env={**os.environ, "RANK": "1"}, capture_output=True, text=True,
+                          timeout=FAILURE_SECONDS)
+    assert done.returncode == 1
+    assert "tensor-parallel rank 1 failed" in done.stderr
+    assert "RuntimeError: injected failure" in done.stderr
 
 
 def test_bad_sizes_are_refused_before_weights_load(tmp_path, monkeypatch):

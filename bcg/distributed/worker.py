@@ -9,12 +9,14 @@ failure reported through a pipe), or a launcher such as torchrun starts every ra
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import NoReturn
 
 import torch
 
@@ -26,6 +28,8 @@ from bcg.distributed.parallel_state import (
     local_rank,
 )
 from bcg.runner.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
 
 PARENT_CHECK_SECONDS = 1.0
 
@@ -61,10 +65,26 @@ def serve_steps(config: EngineConfig, init_method: str = "env://",
     config = rank_config(config)
     join_group(config, init_method, rank)
     runner = start_runner(config)
-    while (message := runner.step_channel.receive()) is not None:
-        runner.run_plan(StepPlan.from_bytes(message))
-    runner.close()
+    try:
+        while (message := runner.step_channel.receive()) is not None:
+            runner.run_plan(StepPlan.from_bytes(message))
+    finally:
+        runner.close()  # its graphs go before the group (or the process)
     destroy_tensor_parallel()
+
+
+def launched_worker_main(config: EngineConfig) -> NoReturn:
+    """A rank that a launcher (torchrun) started: serve rank 0's steps, then end the process
+    (the script that built the engine must not go on as if it had one): with 0 once rank 0
+    shuts down, or with 1 and the error logged naming this rank (torchrun then ends the
+    others)."""
+    try:
+        serve_steps(config)
+    except BaseException:  # noqa: BLE001 - logged, then the process ends
+        logger.exception("tensor-parallel rank %s failed", os.environ.get("RANK", "?"))
+        logging.shutdown()
+        os._exit(1)  # not SystemExit: nothing of the caller's may run on a broken rank
+    raise SystemExit(0)
 
 
 def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,

@@ -180,19 +180,26 @@ class Workers:
             raise self.error()
 
     def close(self) -> None:
-        """End every rank: tell the workers to stop (or, out of step, terminate them), close
-        rank 0's runner and leave the group."""
+        """End every rank: tell the workers to stop (unless they are out of step), release
+        rank 0's graphs, leave the group, then wait for the workers (terminating any that do
+        not end)."""
         if self._closing:
             return
         self._closing = True
+        in_step = self.failure is None and self.broken is None
         self.broken = self.broken or "it was closed"
-        in_step = self.broken == "it was closed" and self.failure is None
         channel = getattr(self.runner, "step_channel", None)
         if channel is not None and in_step:
             try:
                 channel.send_shutdown()
             except RuntimeError:  # a worker is gone
                 in_step = False
+        if self.runner is not None:
+            self.runner.close()  # its graphs captured collectives of the group
+        if self.size > 1:
+            if not in_step and self.nccl:  # destroying an NCCL group whose peer died can hang
+                self._abort_group()
+            destroy_tensor_parallel()
         for process in self.processes:
             process.join(JOIN_SECONDS if in_step else 0)
             if process.is_alive():
@@ -201,14 +208,6 @@ class Workers:
             if process.is_alive():
                 process.kill()
                 process.join()
-        if self.runner is not None:
-            self.runner.close()
-        if self.size > 1:
-            if in_step or not self.nccl:
-                destroy_tensor_parallel()
-            else:  # destroying an NCCL group whose peer died can hang
-                self._abort_group()
-                destroy_tensor_parallel()
 
 
 def _receive(reports) -> tuple[str, str] | None:

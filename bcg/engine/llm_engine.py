@@ -103,9 +103,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tensor_parallel_size > 1 and (launched_rank() or 0) > 0:
-            # torchrun started this process as a worker rank: follow rank 0, then leave.
-            worker.serve_steps(config)
-            raise SystemExit(0)
+            # torchrun started this process as a worker rank: it follows rank 0, then the
+            # process ends here. In the constructor, not in each entry point, because a
+            # user's own script (`LLM(...)` under torchrun) is an entry point too.
+            worker.launched_worker_main(config)
         self.config = config
         start = time.perf_counter()
         source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")

@@ -316,6 +316,8 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the graphs and the KV cache: graphs that captured collectives must be gone
         before the process group is."""
+        for runner in self.graph_runners:
+            runner.release()
         self.graph_runners.clear()
         self.kv_cache = None
 
