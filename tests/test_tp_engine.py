@@ -21,7 +21,7 @@ from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
 from tests.hf_tiny import VOCAB, save_tiny_model
-from tests.server_process import running_server
+from tests.server_process import free_port, running_server, wait_until_healthy
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 9))]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3)
@@ -74,6 +74,42 @@ def test_serve_tp2_answers_the_openai_client(tmp_path):
                                           temperature=0)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == 5
+
+
+SERVE_WITH_A_FAILING_WORKER = """
+import sys
+from bcg.cli import main
+from bcg.distributed import worker
+from tests import test_tp_engine
+
+worker.spawned_worker_main = test_tp_engine.worker_failing_in_a_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_stops_when_a_worker_fails(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    save_tiny_model("qwen3", tmp_path)
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", SERVE_WITH_A_FAILING_WORKER, "serve", "--device", "cpu",
+             "--host", "127.0.0.1", "--port", str(port), "--model", str(tmp_path), "-tp", "2",
+             "--max-model-len", "256", "--kv-cache-tokens", "1024"],
+            stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base, process, open(log))
+        reply = httpx.post(f"{base}/v1/completions", timeout=FAILURE_SECONDS,
+                           json={"model": str(tmp_path), "prompt": PROMPTS[1], "max_tokens": 2})
+        assert reply.status_code == 500
+        code = process.wait(timeout=FAILURE_SECONDS)
+    finally:
+        process.kill()
+    assert code != 0
+    assert "rank 1 failed: RuntimeError: injected step failure" in log.read_text()
 
 
 def _fail_at_load(*args, **kwargs):
