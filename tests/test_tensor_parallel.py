@@ -68,3 +68,13 @@ def test_bad_sizes_are_clear_errors():
     with pytest.raises(ValueError, match="3 KV heads cannot be replicated evenly over 4"):
         TensorParallel(0, 4).kv_heads(3)
     assert TensorParallel(1, 4).kv_heads(2) == 1 and TensorParallel(1, 2).kv_heads(8) == 4
+
+
+def test_row_parallel_linear_unsplit_adds_its_bias():
+    from bcg.layers.linear import RowParallelLinear
+
+    layer = RowParallelLinear(6, 4, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias)

@@ -16,9 +16,10 @@ import multiprocessing
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -29,6 +30,8 @@ from bcg.distributed.parallel_state import TensorParallel, destroy_tensor_parall
 from bcg.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 FAILURE_REPORT_SECONDS = 3.0  # how long a failed collective waits for a worker's report
 ABORT_AFTER_SECONDS = 2.0  # a failed worker's NCCL peers are aborted after this
@@ -178,6 +181,13 @@ class Workers:
             # collectives return whatever their buffers held, so its results are garbage.
             self.broken = "a worker failed in a step"
             raise self.error()
+
+    def run_step(self, step: Callable[..., T], *args: Any) -> T:
+        """`step(*args)` under `failures_named`, or as it is with no other rank to fail."""
+        if self.size == 1:
+            return step(*args)
+        with self.failures_named():
+            return step(*args)
 
     def close(self) -> None:
         """End every rank: tell the workers to stop (unless they are out of step), release

@@ -225,8 +225,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        with self._workers.failures_named():
-            result = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        result = self._workers.run_step(self.runner.execute, scheduled.seqs,
+                                        scheduled.num_new_tokens)
         self._count(scheduled, time.perf_counter() - start)
         for index, (position, scored) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(scheduled.seqs[index], position, scored)

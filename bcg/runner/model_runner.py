@@ -327,6 +327,8 @@ def _plan_prompt_scoring(seqs: list[ScheduledSequence],
     """Which rows of this step score which prompt tokens, for the sequences asking for
     prompt logprobs: the row of position p scores prompt token p + 1."""
     scoring = _PromptScoring(array("q"), [], [], {})
+    if all(seq.sampling_params.prompt_logprobs is None for seq in seqs):
+        return scoring  # the usual step: no row offsets to add up
     starts = [0, *itertools.accumulate(num_new_tokens)]
     for i, seq in enumerate(seqs):
         top = seq.sampling_params.prompt_logprobs
