@@ -94,19 +94,23 @@ SPAWNED_GROUP_TIMEOUT = timedelta(seconds=30)
 
 
 def init_tensor_parallel(size: int, backend: str, init_method: str = "env://",
-                         rank: int | None = None) -> TensorParallel:
+                         rank: int | None = None,
+                         device: torch.device | None = None) -> TensorParallel:
     """Join the process group of `size` ranks and make it current: env-style by default
     (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or at `init_method` as `rank` (a rank that
-    rank 0 spawned)."""
+    rank 0 spawned). On a GPU `device` binds the group to it: NCCL's communicator is then
+    created here, not at the first collective (inside a step or a graph capture)."""
     global _current
     if size == 1:
         _current = TensorParallel()
         return _current
     if not dist.is_initialized():
-        spawned = {} if rank is None else {"rank": rank, "world_size": size,
+        options = {} if rank is None else {"rank": rank, "world_size": size,
                                            "timeout": SPAWNED_GROUP_TIMEOUT}
+        if device is not None and device.type == "cuda":
+            options["device_id"] = device  # a keyword of init_process_group since torch 2.3
         try:
-            dist.init_process_group(backend, init_method=init_method, **spawned)
+            dist.init_process_group(backend, init_method=init_method, **options)
         except BaseException:
             _forget_failed_init()
             raise

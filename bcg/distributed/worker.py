@@ -34,12 +34,13 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_SECONDS = 1.0
 
 
-def rank_config(config: EngineConfig) -> EngineConfig:
-    """`config` for this rank: its own GPU (cuda:LOCAL_RANK); on the CPU, its share of the
-    cores (ranks that each run all of them fight over them and every step slows down)."""
+def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
+    """`config` for this rank: its own GPU (cuda:`device_index`); on the CPU, its share of
+    the cores (ranks that each run all of them fight over them and every step slows down;
+    this sets the calling process's torch threads)."""
     if config.torch_device.type == "cuda":
         config = copy.copy(config)  # not `replace`: the checks refuse cuda:N at size > 1
-        config.device = f"cuda:{local_rank()}"
+        config.device = f"cuda:{device_index}"
         return config
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // config.tensor_parallel_size))
@@ -53,7 +54,8 @@ def join_group(config: EngineConfig, init_method: str = "env://",
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return init_tensor_parallel(config.tensor_parallel_size, backend, init_method, rank)
+    return init_tensor_parallel(config.tensor_parallel_size, backend, init_method, rank,
+                                device)
 
 
 def serve_steps(config: EngineConfig, init_method: str = "env://",
@@ -62,7 +64,8 @@ def serve_steps(config: EngineConfig, init_method: str = "env://",
     steps until it shuts down."""
     from bcg.engine.llm_engine import start_runner  # the engine imports this module
 
-    config = rank_config(config)
+    # Spawned by rank 0 on its host: the device index is the rank. Under torchrun: LOCAL_RANK.
+    config = rank_config(config, local_rank() if rank is None else rank)
     join_group(config, init_method, rank)
     runner = start_runner(config)
     try:
@@ -94,7 +97,6 @@ def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,
     this rank then fails on rank 0 instead of hanging."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides
     _exit_with_parent()
-    os.environ["LOCAL_RANK"] = str(rank)  # one host: the device index is the rank
     try:
         reports.send(("started", ""))
         serve_steps(config, init_method, rank)

@@ -26,7 +26,12 @@ import torch.distributed.distributed_c10d as c10d
 
 from bcg.config import EngineConfig, require
 from bcg.distributed import worker
-from bcg.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, launched_rank
+from bcg.distributed.parallel_state import (
+    TensorParallel,
+    destroy_tensor_parallel,
+    launched_rank,
+    local_rank,
+)
 from bcg.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -77,7 +82,10 @@ class Workers:
         self.config = config  # rank 0's: its own device
         if self.size == 1:
             return
-        self.config = config = worker.rank_config(config)
+        # Rank 0 that spawns its workers takes cuda:0 whatever LOCAL_RANK a parent process
+        # left in the environment; under torchrun its own LOCAL_RANK.
+        device_index = 0 if self.spawned else local_rank()
+        self.config = config = worker.rank_config(config, device_index)
         if not self.spawned:
             worker.join_group(config)
             return
