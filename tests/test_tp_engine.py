@@ -11,12 +11,13 @@ import time
 
 import pytest
 import torch
+import torch.distributed.distributed_c10d as c10d
 
 import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
 from bcg.distributed import worker
 from bcg.distributed.parallel_state import TensorParallel
-from bcg.distributed.workers import TensorParallelError, check_tensor_parallel_size
+from bcg.distributed.workers import TensorParallelError, Workers, check_tensor_parallel_size
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
@@ -224,6 +225,17 @@ def test_a_launched_worker_failing_logs_its_rank_and_exits_non_zero():
     assert done.returncode == 1
     assert "tensor-parallel rank 1 failed" in done.stderr
     assert "RuntimeError: injected failure" in done.stderr
+
+
+def test_the_failure_abort_warns_without_torchs_api_and_not_after_close(monkeypatch, caplog):
+    monkeypatch.delattr(c10d, "_abort_process_group", raising=False)
+    workers = Workers(EngineConfig(device="cpu"))
+    workers._abort_after_failure()
+    assert "no torch.distributed _abort_process_group" in caplog.text
+    caplog.clear()
+    workers.close()
+    workers._abort_after_failure()
+    assert caplog.text == ""
 
 
 def test_bad_sizes_are_refused_before_weights_load(tmp_path, monkeypatch):

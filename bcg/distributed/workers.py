@@ -77,6 +77,7 @@ class Workers:
         self.broken: str | None = None  # why the ranks can no longer step together
         self._failed = threading.Event()
         self._closing = False
+        self._group_lock = threading.Lock()  # the failure timer's abort vs close()
         self._reports: list[Connection] = []  # each worker's reports, by rank - 1
         self.nccl = config.torch_device.type == "cuda"
         self.config = config  # rank 0's: its own device
@@ -150,13 +151,23 @@ class Workers:
         logger.error("tensor-parallel rank %d failed: %s", rank, message)
         self._failed.set()
         if self.nccl:  # NCCL waits for a dead peer forever: abort the group
-            timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_group)
+            timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_after_failure)
             timer.daemon = True
             timer.start()
 
+    def _abort_after_failure(self) -> None:
+        """The timer's abort: not once close() has begun (it aborts or destroys the group
+        itself, and the two must not run at once)."""
+        with self._group_lock:
+            if not self._closing:
+                self._abort_group()
+
     def _abort_group(self) -> None:
         abort = getattr(c10d, "_abort_process_group", None)
-        if abort is not None and not self._closing and c10d.is_initialized():
+        if abort is None:
+            logger.warning("this torch has no torch.distributed _abort_process_group: rank 0 "
+                           "may wait in a collective with the failed rank until NCCL's timeout")
+        elif c10d.is_initialized():
             abort()
 
     def error(self) -> TensorParallelError:
@@ -201,9 +212,10 @@ class Workers:
         """End every rank: tell the workers to stop (unless they are out of step), release
         rank 0's graphs, leave the group, then wait for the workers (terminating any that do
         not end)."""
-        if self._closing:
-            return
-        self._closing = True
+        with self._group_lock:
+            if self._closing:
+                return
+            self._closing = True
         in_step = self.failure is None and self.broken is None
         self.broken = self.broken or "it was closed"
         channel = getattr(self.runner, "step_channel", None)
