@@ -78,3 +78,24 @@ def test_row_parallel_linear_unsplit_adds_its_bias():
     torch.nn.init.normal_(layer.bias)
     x = torch.randn(3, 6)
     torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias)
+
+
+def test_a_rank_refuses_a_weight_that_is_not_the_whole_checkpoint_tensor(monkeypatch):
+    """A rank loads its part of each whole tensor; a tensor of its part's size (or any other
+    shape) is an error naming the weight and the whole shape, not loaded as it is."""
+    from bcg.distributed import parallel_state
+    from bcg.layers.embedding import Embedding
+    from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    monkeypatch.setattr(parallel_state, "_current", TensorParallel(1, 2))
+    column, row = ColumnParallelLinear(8, [6, 4]), RowParallelLinear(6, 8)
+    embedding = Embedding(10, 8)
+    cases = [(column.load_weight, "q.weight", (3, 8), (6, 8)),
+             (row.load_weight, "o.weight", (8, 3), (8, 6)),
+             (embedding.load_weight, "embed.weight", (5, 8), (10, 8))]
+    for load, name, local, whole in cases:
+        with pytest.raises(ValueError, match=rf"'{name}' has shape \(\d+, \d+\), the model "
+                                             rf"expects \({whole[0]}, {whole[1]}\)"):
+            load(name, torch.zeros(local))
+    column.load_weight("k.weight", torch.arange(32.0).view(4, 8), block=1)
+    torch.testing.assert_close(column.weight[3:], torch.arange(16.0, 32.0).view(2, 8))

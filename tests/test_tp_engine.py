@@ -15,9 +15,9 @@ import torch.distributed.distributed_c10d as c10d
 
 import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
-from bcg.distributed import worker
+from bcg.distributed import rank_loop
+from bcg.distributed.launcher import TensorParallelError, Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import TensorParallel
-from bcg.distributed.workers import TensorParallelError, Workers, check_tensor_parallel_size
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
@@ -80,10 +80,10 @@ def test_serve_tp2_answers_the_openai_client(tmp_path):
 SERVE_WITH_A_FAILING_WORKER = """
 import sys
 from bcg.cli import main
-from bcg.distributed import worker
+from bcg.distributed import rank_loop
 from tests import test_tp_engine
 
-worker.spawned_worker_main = test_tp_engine.worker_failing_in_a_step
+rank_loop.spawned_worker_main = test_tp_engine.worker_failing_in_a_step
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -119,7 +119,7 @@ def _fail_at_load(*args, **kwargs):
 
 def worker_failing_at_load(*args):
     model_runner.load_model = _fail_at_load
-    worker.spawned_worker_main(*args)
+    rank_loop.spawned_worker_main(*args)
 
 
 def worker_failing_in_a_step(*args):
@@ -127,12 +127,12 @@ def worker_failing_in_a_step(*args):
         raise RuntimeError("injected step failure")
 
     model_runner.ModelRunner.run_plan = run_plan
-    worker.spawned_worker_main(*args)
+    rank_loop.spawned_worker_main(*args)
 
 
 def test_a_worker_failing_at_load_is_named(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(worker, "spawned_worker_main", worker_failing_at_load)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_failing_at_load)
     start = time.monotonic()
     with pytest.raises(TensorParallelError,
                        match="rank 1 failed: RuntimeError: injected load failure"):
@@ -147,7 +147,7 @@ def worker_exiting_after_start(config, rank, init_method, reports):
 
 def test_a_worker_dying_before_the_group_forms_is_named(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(worker, "spawned_worker_main", worker_exiting_after_start)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_after_start)
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 4"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
@@ -156,7 +156,7 @@ def test_a_worker_dying_before_the_group_forms_is_named(tmp_path, monkeypatch):
 
 def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(worker, "spawned_worker_main", worker_failing_in_a_step)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_failing_in_a_step)
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
     start = time.monotonic()
     with pytest.raises(TensorParallelError,
@@ -174,7 +174,7 @@ def worker_dying_in_a_step(*args):
         os._exit(3)
 
     model_runner.ModelRunner.run_plan = run_plan
-    worker.spawned_worker_main(*args)
+    rank_loop.spawned_worker_main(*args)
 
 
 def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
@@ -182,7 +182,7 @@ def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
     garbage instead of raising: rank 0's collectives here wait for the failure, then return
     without exchanging anything. The step must raise, not hand out those tokens."""
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(worker, "spawned_worker_main", worker_dying_in_a_step)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_dying_in_a_step)
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
     workers = llm.engine._workers
 
@@ -207,14 +207,14 @@ def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
 LAUNCHED_WORKER_FAILING = """
 import logging
 from bcg.config import EngineConfig
-from bcg.distributed import worker
+from bcg.distributed import rank_loop
 
 def serve_steps(config):
     raise RuntimeError("injected failure")
 
 logging.basicConfig()
-worker.serve_steps = serve_steps
-worker.launched_worker_main(EngineConfig(device="cpu"))
+rank_loop.serve_steps = serve_steps
+rank_loop.launched_worker_main(EngineConfig(device="cpu"))
 """
 
 

@@ -19,9 +19,9 @@ import jinja2
 import torch
 
 from bcg.config import EngineConfig, is_int, require
-from bcg.distributed import worker
+from bcg.distributed import rank_loop
+from bcg.distributed.launcher import Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import launched_rank
-from bcg.distributed.workers import Workers, check_tensor_parallel_size
 from bcg.engine.block_manager import BlockManager
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -106,7 +106,7 @@ class LLMEngine:
             # torchrun started this process as a worker rank: it follows rank 0, then the
             # process ends here. In the constructor, not in each entry point, because a
             # user's own script (`LLM(...)` under torchrun) is an entry point too.
-            worker.launched_worker_main(config)
+            rank_loop.launched_worker_main(config)
         self.config = config
         start = time.perf_counter()
         source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")

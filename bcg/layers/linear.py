@@ -19,10 +19,16 @@ from torch import nn
 from bcg.distributed.parallel_state import tensor_parallel
 
 
-def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
-    if target.shape != loaded.shape:
+def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Raise naming the weight unless checkpoint tensor `name` has the `expected` (whole,
+    unsplit) shape."""
+    if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
-                         f"{tuple(target.shape)}: does the config match the checkpoint?")
+                         f"{tuple(expected)}: does the config match the checkpoint?")
+
+
+def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
+    check_shape(name, loaded, tuple(target.shape))
     target.copy_(loaded)
 
 
@@ -72,10 +78,8 @@ class ColumnParallelLinear(Linear):
         part = self.rank * self.parts[block] // self.tp_size
         start = sum(self.local_outputs[:block])
         target = getattr(self, param_name).data[start : start + length]
-        if loaded.shape[0] == self.output_sizes[block]:
-            loaded = loaded.narrow(0, part * length, length)
-        copy_checked(name, target, loaded)
-
+        check_shape(name, loaded, (self.output_sizes[block], *target.shape[1:]))
+        target.copy_(loaded.narrow(0, part * length, length))
 
     def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
         """Random weights (`draw(shape, part)`) as a checkpoint would hold them, this rank's
@@ -104,9 +108,9 @@ class RowParallelLinear(Linear):
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:
         """Copy this rank's input columns of checkpoint tensor `name` (a bias whole)."""
         param_name = name.rpartition(".")[2]
-        local = self.weight.shape[1]
-        if param_name == "weight" and loaded.dim() == 2 and loaded.shape[1] == local * self.tp.size:
-            loaded = loaded.narrow(1, self.input_start, local)
+        if param_name == "weight":
+            check_shape(name, loaded, (self.weight.shape[0], self.input_size))
+            loaded = loaded.narrow(1, self.input_start, self.weight.shape[1])
         copy_checked(name, getattr(self, param_name).data, loaded)
 
     def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bcg.distributed.workers import TensorParallelError
+from bcg.distributed.launcher import TensorParallelError
 from bcg.engine.llm_engine import LLMEngine
 from bcg.engine.outputs import CompletionOutput, RequestOutput
 from bcg.engine.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
-"""Rank 0's side of tensor parallelism: size checks, the worker processes it spawns, naming
-a failed worker, and ending every rank.
+"""Rank 0's side of tensor parallelism: size checks, launching the worker processes (their
+own loop is `rank_loop`), naming a failed worker, and ending every rank.
 
-Unless a launcher (torchrun) started every rank, rank 0 spawns ranks 1..N-1 on this host and
+Unless torchrun started every rank, rank 0 spawns ranks 1..N-1 on this host and
 waits for each to report that it started (an early death, such as a script that spawns
 without an `if __name__ == "__main__":` guard, is an error at once, not a hang). A thread
 then watches the workers: one that raises reports its exception and exits, so rank 0's
@@ -19,13 +19,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed.distributed_c10d as c10d
 
 from bcg.config import EngineConfig, require
-from bcg.distributed import worker
+from bcg.distributed import rank_loop
 from bcg.distributed.parallel_state import (
     TensorParallel,
     destroy_tensor_parallel,
@@ -33,6 +33,9 @@ from bcg.distributed.parallel_state import (
     local_rank,
 )
 from bcg.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from bcg.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class Workers:
         self.size = config.tensor_parallel_size
         self.spawned = self.size > 1 and launched_rank() is None
         self.processes: list[multiprocessing.Process] = []
-        self.runner = None  # rank 0's runner, once built: closed before the group goes
+        self.runner: ModelRunner | None = None  # rank 0's, once built: closed before the group
         self.failure: tuple[int, str] | None = None  # the first worker that failed
         self.broken: str | None = None  # why the ranks can no longer step together
         self._failed = threading.Event()
@@ -86,9 +89,10 @@ class Workers:
         # Rank 0 that spawns its workers takes cuda:0 whatever LOCAL_RANK a parent process
         # left in the environment; under torchrun its own LOCAL_RANK.
         device_index = 0 if self.spawned else local_rank()
-        self.config = config = worker.rank_config(config, device_index)
+        self._num_threads = torch.get_num_threads()  # rank_config sets this process's share
+        self.config = config = rank_loop.rank_config(config, device_index)
         if not self.spawned:
-            worker.join_group(config)
+            rank_loop.join_group(config)
             return
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._spawn(config, init_method)
@@ -96,7 +100,7 @@ class Workers:
             self._wait_until_started()
             threading.Thread(target=self._watch, name="bcg-tp-watch", daemon=True).start()
             with self.failures_named():
-                worker.join_group(config, init_method, rank=0)
+                rank_loop.join_group(config, init_method, rank=0)
         except BaseException:
             self.close()
             raise
@@ -106,7 +110,7 @@ class Workers:
         for rank in range(1, self.size):
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
-                target=worker.spawned_worker_main, args=(config, rank, init_method, sender),
+                target=rank_loop.spawned_worker_main, args=(config, rank, init_method, sender),
                 name=f"bcg-tp-rank{rank}", daemon=True)
             process.start()
             sender.close()  # the worker's end: EOF here once it exits
@@ -238,9 +242,11 @@ class Workers:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self.size > 1:
+            torch.set_num_threads(self._num_threads)  # the caller's own again
 
 
-def _receive(reports) -> tuple[str, str] | None:
+def _receive(reports: Connection) -> tuple[str, str] | None:
     try:
         return reports.recv()
     except (EOFError, OSError):

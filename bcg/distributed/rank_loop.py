@@ -1,9 +1,9 @@
-"""A tensor-parallel worker (ranks 1..N-1): build the same runner as rank 0 on this rank's
-device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
+"""The loop of a tensor-parallel worker (ranks 1..N-1): build the same runner as rank 0 on
+this rank's device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
 
-Rank 0 spawns the workers itself (`spawned_worker_main`: one host, devices 0..N-1, start and
-failure reported through a pipe), or a launcher such as torchrun starts every rank
-(`serve_steps` with env-style initialisation, on cuda:LOCAL_RANK).
+Rank 0 launches the workers itself (`launcher`; here `spawned_worker_main`: one host,
+devices 0..N-1, start and failure reported through a pipe), or torchrun starts every rank
+(`launched_worker_main`, env-style initialisation, on cuda:LOCAL_RANK).
 """
 
 from __future__ import annotations
