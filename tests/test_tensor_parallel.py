@@ -32,33 +32,56 @@ def step_logits(folder, load_format: str) -> list[torch.Tensor]:
     return prefill + harness.step(seqs, [1] * len(seqs))
 
 
-def rank_main(rank: int, size: int, port: int, folder, load_format: str, out_path) -> None:
+def rank_main(rank: int, size: int, port: int, cases: list[tuple], out_path) -> None:
+    """One rank of one process group: each case's model (folder, load_format) built in
+    turn, rank 0 saving every case's logits."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     init_tensor_parallel(size, "gloo")
     try:
-        logits = step_logits(folder, load_format)
+        logits = [step_logits(folder, load_format) for folder, load_format in cases]
         if rank == 0:
             torch.save(logits, out_path)
     finally:
         destroy_tensor_parallel()
 
 
-@pytest.mark.parametrize("arch,size,overrides,load_format", [
-    ("llama", 2, {"vocab_size": VOCAB + 1}, "auto"),  # 161 rows: the last rank's is padded
-    ("qwen2", 2, {}, "auto"),
-    ("qwen3", 2, {}, "auto"),
-    ("qwen3", 4, {}, "auto"),  # 4 heads, 2 KV heads: each KV head on two ranks
-    ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy"),  # random weights split like loaded ones
-])
-def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides, load_format):
-    save_tiny_model(arch, tmp_path, **overrides)
-    expected = step_logits(tmp_path, load_format)
-    out_path = tmp_path / "rank0.pt"
-    mp.spawn(rank_main, args=(size, free_port(), tmp_path, load_format, out_path), nprocs=size,
-             join=True)
-    for ours, ref in zip(torch.load(out_path), expected, strict=True):
+# id: (arch, tensor-parallel size, config overrides, load_format)
+CASES = {
+    "llama": ("llama", 2, {"vocab_size": VOCAB + 1}, "auto"),  # 161 rows: the last rank's padded
+    "qwen2": ("qwen2", 2, {}, "auto"),
+    "qwen3": ("qwen3", 2, {}, "auto"),
+    "qwen3-tp4": ("qwen3", 4, {}, "auto"),  # 4 heads, 2 KV heads: each KV head on two ranks
+    "qwen2-dummy": ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy"),  # split like loaded ones
+}
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory) -> dict[str, tuple]:
+    """Each case's (folder, rank 0's logits): every case of one size in one spawn of its
+    processes (spawning costs more than the tiny models)."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    folders = {}
+    for case, (arch, _, overrides, _) in CASES.items():
+        folders[case] = root / case
+        save_tiny_model(arch, folders[case], **overrides)
+    runs = {}
+    for size in sorted({size for _, size, _, _ in CASES.values()}):
+        ids = [case for case, (_, n, _, _) in CASES.items() if n == size]
+        out_path = root / f"tp{size}.pt"
+        cases = [(folders[case], CASES[case][3]) for case in ids]
+        mp.spawn(rank_main, args=(size, free_port(), cases, out_path), nprocs=size, join=True)
+        for case, logits in zip(ids, torch.load(out_path), strict=True):
+            runs[case] = (folders[case], logits)
+    return runs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_model_gives_the_unsplit_logits(split_runs, case):
+    folder, split = split_runs[case]
+    expected = step_logits(folder, CASES[case][3])
+    for ours, ref in zip(split, expected, strict=True):
         assert relative_error(ours, ref) <= TOLERANCE
 
 
