@@ -43,48 +43,77 @@ def expert_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
     return [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, FusedMoE)]
 
 
-def rank_main(rank: int, size: int, port: int, folder, load_format: str, out_path,
-              modes: tuple[tuple[bool, str], ...]) -> None:
-    """Build and run the model once per (expert parallel, dispatch) mode (one process group
-    for all: spawning is slow)."""
+# (expert parallel, dispatch) modes a case runs in: MoE also with whole experts per rank.
+TENSOR_PARALLEL = ((False, "allreduce"),)
+MOE_MODES = TENSOR_PARALLEL + ((True, "allreduce"), (True, "alltoall"))
+
+
+def rank_main(rank: int, size: int, port: int, cases: list[tuple], out_path) -> None:
+    """One rank of one process group: each case's model (folder, load_format) built in turn
+    per mode, rank 0 saving every case's (logits, expert shapes) per mode."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     init_tensor_parallel(size, "gloo")
-    results = []
     try:
-        for expert_parallel, dispatch in modes:
-            logits, model = step_logits(folder, load_format,
-                                        enable_expert_parallel=expert_parallel,
-                                        ep_dispatch=dispatch)
-            results.append((logits, expert_shapes(model)))
+        results = []
+        for folder, load_format, modes in cases:
+            per_mode = []
+            for expert_parallel, dispatch in modes:
+                logits, model = step_logits(folder, load_format,
+                                            enable_expert_parallel=expert_parallel,
+                                            ep_dispatch=dispatch)
+                per_mode.append((logits, expert_shapes(model)))
+            results.append(per_mode)
         if rank == 0:
             torch.save(results, out_path)
     finally:
         destroy_tensor_parallel()
 
 
-@pytest.mark.parametrize("arch,size,overrides,load_format", [
-    ("llama", 2, {"vocab_size": VOCAB + 1}, "auto"),  # 161 rows: the last rank's is padded
-    ("qwen2", 2, {}, "auto"),
-    ("qwen3", 2, {}, "auto"),
-    ("qwen3", 4, {}, "auto"),  # 4 heads, 2 KV heads: each KV head on two ranks
-    # Tensor parallel, then expert parallel (experts 0-1, 2-3) by all-reduce and all-to-all.
-    ("qwen3_moe", 2, {}, "auto"),
-    ("nemotron_h", 2, {}, "auto"),  # Mamba heads and groups split: 4 heads, 1 group per rank
-    ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy"),  # random weights split like loaded ones
-    ("qwen3_moe", 2, {}, "dummy"),
-])
-def test_split_model_gives_the_unsplit_logits(tmp_path, arch, size, overrides, load_format):
-    save_tiny_model(arch, tmp_path, **overrides)
-    expected, model = step_logits(tmp_path, load_format)
-    out_path = tmp_path / "rank0.pt"
-    modes = ((False, "allreduce"),)
-    if arch == "qwen3_moe":
-        modes += ((True, "allreduce"), (True, "alltoall"))
-    mp.spawn(rank_main, args=(size, free_port(), tmp_path, load_format, out_path, modes),
-             nprocs=size, join=True)
-    for (expert_parallel, _), (logits, shapes) in zip(modes, torch.load(out_path), strict=True):
+# id: (arch, tensor-parallel size, config overrides, load_format, modes)
+CASES = {
+    "llama": ("llama", 2, {"vocab_size": VOCAB + 1}, "auto", TENSOR_PARALLEL),  # last padded
+    "qwen2": ("qwen2", 2, {}, "auto", TENSOR_PARALLEL),
+    "qwen3": ("qwen3", 2, {}, "auto", TENSOR_PARALLEL),
+    # 4 heads, 2 KV heads: each KV head on two ranks
+    "qwen3-tp4": ("qwen3", 4, {}, "auto", TENSOR_PARALLEL),
+    # experts split, then experts 0-1 and 2-3 per rank by all-reduce and by all-to-all
+    "qwen3_moe": ("qwen3_moe", 2, {}, "auto", MOE_MODES),
+    # Mamba heads and groups split: 4 heads and 1 group per rank
+    "nemotron_h": ("nemotron_h", 2, {}, "auto", TENSOR_PARALLEL),
+    # random weights split like loaded ones
+    "qwen2-dummy": ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy", TENSOR_PARALLEL),
+    "qwen3_moe-dummy": ("qwen3_moe", 2, {}, "dummy", MOE_MODES),
+}
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory) -> dict[str, tuple]:
+    """Each case's (folder, rank 0's results per mode): every case of one size in one spawn
+    of its processes (spawning costs more than the tiny models)."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    folders = {}
+    for case, (arch, _, overrides, _, _) in CASES.items():
+        folders[case] = root / case
+        save_tiny_model(arch, folders[case], **overrides)
+    runs = {}
+    for size in sorted({case[1] for case in CASES.values()}):
+        ids = [case for case, spec in CASES.items() if spec[1] == size]
+        out_path = root / f"tp{size}.pt"
+        cases = [(folders[case], CASES[case][3], CASES[case][4]) for case in ids]
+        mp.spawn(rank_main, args=(size, free_port(), cases, out_path), nprocs=size, join=True)
+        for case, results in zip(ids, torch.load(out_path), strict=True):
+            runs[case] = (folders[case], results)
+    return runs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_model_gives_the_unsplit_logits(split_runs, case):
+    folder, results = split_runs[case]
+    _, size, _, load_format, modes = CASES[case]
+    expected, model = step_logits(folder, load_format)
+    for (expert_parallel, _), (logits, shapes) in zip(modes, results, strict=True):
         for ours, ref in zip(logits, expected, strict=True):
             assert relative_error(ours, ref) <= TOLERANCE
         # Expert parallel: a share of the experts, whole; else every expert, a share of each.
@@ -98,3 +127,34 @@ def test_bad_sizes_are_clear_errors():
     with pytest.raises(ValueError, match="3 KV heads cannot be replicated evenly over 4"):
         TensorParallel(0, 4).kv_heads(3)
     assert TensorParallel(1, 4).kv_heads(2) == 1 and TensorParallel(1, 2).kv_heads(8) == 4
+
+
+def test_row_parallel_linear_unsplit_adds_its_bias():
+    from bcg.layers.linear import RowParallelLinear
+
+    layer = RowParallelLinear(6, 4, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias)
+
+
+def test_a_rank_refuses_a_weight_that_is_not_the_whole_checkpoint_tensor(monkeypatch):
+    """A rank loads its part of each whole tensor; a tensor of its part's size (or any other
+    shape) is an error naming the weight and the whole shape, not loaded as it is."""
+    from bcg.distributed import parallel_state
+    from bcg.layers.embedding import Embedding
+    from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    monkeypatch.setattr(parallel_state, "_current", TensorParallel(1, 2))
+    column, row = ColumnParallelLinear(8, [6, 4]), RowParallelLinear(6, 8)
+    embedding = Embedding(10, 8)
+    cases = [(column.load_weight, "q.weight", (3, 8), (6, 8)),
+             (row.load_weight, "o.weight", (8, 3), (8, 6)),
+             (embedding.load_weight, "embed.weight", (5, 8), (10, 8))]
+    for load, name, local, whole in cases:
+        with pytest.raises(ValueError, match=rf"'{name}' has shape \(\d+, \d+\), the model "
+                                             rf"expects \({whole[0]}, {whole[1]}\)"):
+            load(name, torch.zeros(local))
+    column.load_weight("k.weight", torch.arange(32.0).view(4, 8), block=1)
+    torch.testing.assert_close(column.weight[3:], torch.arange(16.0, 32.0).view(2, 8))

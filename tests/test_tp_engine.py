@@ -4,20 +4,25 @@ sampled) within 1e-5; `bcg serve -tp 2` answers the openai client; a worker that
 load or in a step stops the engine with an error naming its rank (no hang); sizes the model
 or the machine cannot take are refused before any weight loads."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
+import torch.distributed.distributed_c10d as c10d
 
 import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
-from bcg.distributed import worker
-from bcg.distributed.workers import TensorParallelError, check_tensor_parallel_size
+from bcg.distributed import rank_loop
+from bcg.distributed.launcher import TensorParallelError, Workers, check_tensor_parallel_size
+from bcg.distributed.parallel_state import TensorParallel
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
 from tests.hf_tiny import VOCAB, save_tiny_model
-from tests.server_process import running_server
+from tests.server_process import free_port, running_server, wait_until_healthy
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 9))]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3)
@@ -83,13 +88,49 @@ def test_serve_tp2_answers_the_openai_client(tmp_path):
     assert reply.usage.completion_tokens == 5
 
 
+SERVE_WITH_A_FAILING_WORKER = """
+import sys
+from bcg.cli import main
+from bcg.distributed import rank_loop
+from tests import test_tp_engine
+
+rank_loop.spawned_worker_main = test_tp_engine.worker_failing_in_a_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_stops_when_a_worker_fails(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    save_tiny_model("qwen3", tmp_path)
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", SERVE_WITH_A_FAILING_WORKER, "serve", "--device", "cpu",
+             "--host", "127.0.0.1", "--port", str(port), "--model", str(tmp_path), "-tp", "2",
+             "--max-model-len", "256", "--kv-cache-tokens", "1024"],
+            stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base, process, open(log))
+        reply = httpx.post(f"{base}/v1/completions", timeout=FAILURE_SECONDS,
+                           json={"model": str(tmp_path), "prompt": PROMPTS[1], "max_tokens": 2})
+        assert reply.status_code == 500
+        code = process.wait(timeout=FAILURE_SECONDS)
+    finally:
+        process.kill()
+    assert code != 0
+    assert "rank 1 failed: RuntimeError: injected step failure" in log.read_text()
+
+
 def _fail_at_load(*args, **kwargs):
     raise RuntimeError("injected load failure")
 
 
 def worker_failing_at_load(*args):
     model_runner.load_model = _fail_at_load
-    worker.spawned_worker_main(*args)
+    rank_loop.spawned_worker_main(*args)
 
 
 def worker_failing_in_a_step(*args):
@@ -97,12 +138,12 @@ def worker_failing_in_a_step(*args):
         raise RuntimeError("injected step failure")
 
     model_runner.ModelRunner.run_plan = run_plan
-    worker.spawned_worker_main(*args)
+    rank_loop.spawned_worker_main(*args)
 
 
 def test_a_worker_failing_at_load_is_named(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(worker, "spawned_worker_main", worker_failing_at_load)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_failing_at_load)
     start = time.monotonic()
     with pytest.raises(TensorParallelError,
                        match="rank 1 failed: RuntimeError: injected load failure"):
@@ -110,9 +151,23 @@ def test_a_worker_failing_at_load_is_named(tmp_path, monkeypatch):
     assert time.monotonic() - start < FAILURE_SECONDS
 
 
+def worker_exiting_after_start(config, rank, init_method, reports):
+    reports.send(("started", ""))
+    os._exit(4)
+
+
+def test_a_worker_dying_before_the_group_forms_is_named(tmp_path, monkeypatch):
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_after_start)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 4"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    assert time.monotonic() - start < FAILURE_SECONDS
+
+
 def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(worker, "spawned_worker_main", worker_failing_in_a_step)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_failing_in_a_step)
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
     start = time.monotonic()
     with pytest.raises(TensorParallelError,
@@ -123,6 +178,75 @@ def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     llm.close()
     assert time.monotonic() - start < FAILURE_SECONDS
     assert not any(p.is_alive() for p in llm.engine._workers.processes)
+
+
+def worker_dying_in_a_step(*args):
+    def run_plan(self, plan, score_prompt=None):
+        os._exit(3)
+
+    model_runner.ModelRunner.run_plan = run_plan
+    rank_loop.spawned_worker_main(*args)
+
+
+def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
+    """As on GPUs, where the aborted NCCL collectives of a dead worker's peers return
+    garbage instead of raising: rank 0's collectives here wait for the failure, then return
+    without exchanging anything. The step must raise, not hand out those tokens."""
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_dying_in_a_step)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    workers = llm.engine._workers
+
+    def all_reduce(self, x):
+        workers._failed.wait(FAILURE_SECONDS)
+        return x
+
+    def all_gather_last_dim(self, x):
+        workers._failed.wait(FAILURE_SECONDS)
+        return torch.cat([x] * self.size, dim=-1)
+
+    monkeypatch.setattr(TensorParallel, "all_reduce", all_reduce)
+    monkeypatch.setattr(TensorParallel, "all_gather_last_dim", all_gather_last_dim)
+    llm.engine.add_request(PROMPTS[0], PARAMS)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 3"):
+        llm.engine.step()
+    assert time.monotonic() - start < FAILURE_SECONDS
+    llm.close()
+
+
+LAUNCHED_WORKER_FAILING = """
+import logging
+from bcg.config import EngineConfig
+from bcg.distributed import rank_loop
+
+def serve_steps(config):
+    raise RuntimeError("injected failure")
+
+logging.basicConfig()
+rank_loop.serve_steps = serve_steps
+rank_loop.launched_worker_main(EngineConfig(device="cpu"))
+"""
+
+
+def test_a_launched_worker_failing_logs_its_rank_and_exits_non_zero():
+    done = subprocess.run([sys.executable, "-c", LAUNCHED_WORKER_FAILING],
+                          env={**os.environ, "RANK": "1"}, capture_output=True, text=True,
+                          timeout=FAILURE_SECONDS)
+    assert done.returncode == 1
+    assert "tensor-parallel rank 1 failed" in done.stderr
+    assert "RuntimeError: injected failure" in done.stderr
+
+
+def test_the_failure_abort_warns_without_torchs_api_and_not_after_close(monkeypatch, caplog):
+    monkeypatch.delattr(c10d, "_abort_process_group", raising=False)
+    workers = Workers(EngineConfig(device="cpu"))
+    workers._abort_after_failure()
+    assert "no torch.distributed _abort_process_group" in caplog.text
+    caplog.clear()
+    workers.close()
+    workers._abort_after_failure()
+    assert caplog.text == ""
 
 
 def test_bad_sizes_are_refused_before_weights_load(tmp_path, monkeypatch):

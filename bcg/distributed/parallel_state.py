@@ -97,25 +97,51 @@ def tensor_parallel() -> TensorParallel:
 
 # A worker waits in the CPU group for the next step as long as the engine is idle.
 CPU_GROUP_TIMEOUT = timedelta(days=365)
+# The device group of workers that rank 0 spawned: they reach its rendezvous within moments
+# of reporting that they started, so one that dies in between is a clear error in this long
+# (the rendezvous cannot be interrupted; torch's default would wait 10 to 30 minutes). Its
+# collectives take milliseconds within a step, and ranks lag little while they compile the
+# same kernels at start-up. Under torchrun ranks start apart (rank 0 may download the model
+# first): torch's default stands.
+SPAWNED_GROUP_TIMEOUT = timedelta(seconds=30)
 
 
 def init_tensor_parallel(size: int, backend: str, init_method: str = "env://",
-                         rank: int | None = None) -> TensorParallel:
+                         rank: int | None = None,
+                         device: torch.device | None = None) -> TensorParallel:
     """Join the process group of `size` ranks and make it current: env-style by default
-    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or at `init_method` as `rank`."""
+    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or at `init_method` as `rank` (a rank that
+    rank 0 spawned). On a GPU `device` binds the group to it: NCCL's communicator is then
+    created here, not at the first collective (inside a step or a graph capture)."""
     global _current
     if size == 1:
         _current = TensorParallel()
         return _current
     if not dist.is_initialized():
-        ranks = {} if rank is None else {"rank": rank, "world_size": size}
-        dist.init_process_group(backend, init_method=init_method, **ranks)
+        options = {} if rank is None else {"rank": rank, "world_size": size,
+                                           "timeout": SPAWNED_GROUP_TIMEOUT}
+        if device is not None and device.type == "cuda":
+            options["device_id"] = device  # a keyword of init_process_group since torch 2.3
+        try:
+            dist.init_process_group(backend, init_method=init_method, **options)
+        except BaseException:
+            _forget_failed_init()
+            raise
     if dist.get_world_size() != size:
         raise ValueError(f"tensor_parallel_size={size} but the process group has "
                          f"{dist.get_world_size()} ranks (WORLD_SIZE): start one process per rank")
     cpu_group = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
     _current = TensorParallel(dist.get_rank(), size, dist.group.WORLD, cpu_group)
     return _current
+
+
+def _forget_failed_init() -> None:
+    """A failed `init_process_group` still counts a group: the next attempt in this process
+    would name its groups apart from fresh workers' and wait for them forever. Reset the
+    count as destroying the group does (torch keeps it private)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def launched_rank() -> int | None:

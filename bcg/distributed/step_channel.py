@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from bcg.distributed.parallel_state import TensorParallel
 
-INLINE_BYTES = 32 * 1024  # the part of a message the first broadcast carries
+INLINE_BYTES = 4 * 1024  # the first broadcast's part: small decode steps fit; more takes a second
 _LENGTH = struct.Struct("<q")
 _SHUTDOWN = -1
 

@@ -19,9 +19,9 @@ import jinja2
 import torch
 
 from bcg.config import EngineConfig, is_int, require
-from bcg.distributed import worker
+from bcg.distributed import rank_loop
+from bcg.distributed.launcher import Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import launched_rank
-from bcg.distributed.workers import Workers, check_tensor_parallel_size
 from bcg.engine.block_manager import BlockManager
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -110,9 +110,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tensor_parallel_size > 1 and (launched_rank() or 0) > 0:
-            # torchrun started this process as a worker rank: follow rank 0, then leave.
-            worker.serve_steps(config)
-            raise SystemExit(0)
+            # torchrun started this process as a worker rank: it follows rank 0, then the
+            # process ends here. In the constructor, not in each entry point, because a
+            # user's own script (`LLM(...)` under torchrun) is an entry point too.
+            rank_loop.launched_worker_main(config)
         self.config = config
         start = time.perf_counter()
         source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")
@@ -232,8 +233,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        with self._workers.failures_named():
-            result = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+        result = self._workers.run_step(self.runner.execute, scheduled.seqs,
+                                        scheduled.num_new_tokens)
         self._count(scheduled, time.perf_counter() - start)
         for index, (position, scored) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(scheduled.seqs[index], position, scored)

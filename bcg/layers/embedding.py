@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
-from bcg.layers.linear import copy_checked
+from bcg.layers.linear import check_shape
 from bcg.utils import cdiv
 
 
@@ -27,12 +27,10 @@ class VocabSlice(nn.Module):
 
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:
         """This rank's rows of the full `[vocab, hidden]` tensor; padding rows are zero."""
+        check_shape(name, loaded, (self.vocab_size, self.weight.shape[1]))
         real = max(0, min(self.weight.shape[0], self.vocab_size - self.start))
         self.weight.data[real:].zero_()
-        if loaded.shape[0] != self.vocab_size:
-            copy_checked(name, self.weight, loaded)  # the shape error, naming the weight
-        copy_checked(name, self.weight.data[:real], loaded[self.start : self.start + real])
-
+        self.weight.data[:real].copy_(loaded[self.start : self.start + real])
 
     def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
         """Random rows (`draw(shape)`) for the whole vocabulary, this rank's kept."""

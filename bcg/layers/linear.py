@@ -19,15 +19,17 @@ from torch import nn
 from bcg.distributed.parallel_state import tensor_parallel
 
 
+def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Raise naming the weight unless checkpoint tensor `name` has the `expected` (whole,
+    unsplit) shape."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
+                         f"{tuple(expected)}: does the config match the checkpoint?")
+
+
 def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
-    if target.shape != loaded.shape:
-        raise _shape_error(name, loaded, tuple(target.shape))
+    check_shape(name, loaded, tuple(target.shape))
     target.copy_(loaded)
-
-
-def _shape_error(name: str, loaded: torch.Tensor, expected: tuple) -> ValueError:
-    return ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
-                      f"{expected}: does the config match the checkpoint?")
 
 
 def load_rank_blocks(name: str, target: torch.Tensor, loaded: torch.Tensor,
@@ -35,8 +37,8 @@ def load_rank_blocks(name: str, target: torch.Tensor, loaded: torch.Tensor,
     """Copy into `target` this rank's equal share of each block of `loaded` (dim 0 cut into
     `block_sizes`, the unsplit sizes), for parameters split by heads or channels."""
     tp = tensor_parallel()
-    if loaded.shape[0] != sum(block_sizes):  # e.g. already split: never copied as it is
-        raise _shape_error(name, loaded, (sum(block_sizes), *loaded.shape[1:]))
+    # e.g. an already split tensor: never copied as it is
+    check_shape(name, loaded, (sum(block_sizes), *loaded.shape[1:]))
     parts = [piece.narrow(0, tp.rank * (size // tp.size), size // tp.size)
              for piece, size in zip(loaded.split(block_sizes), block_sizes, strict=True)]
     copy_checked(name, target, torch.cat(parts))
@@ -96,10 +98,8 @@ class ColumnParallelLinear(Linear):
         part = self.rank * self.parts[block] // self.tp_size
         start = sum(self.local_outputs[:block])
         target = getattr(self, param_name).data[start : start + length]
-        if loaded.shape[0] == self.output_sizes[block]:
-            loaded = loaded.narrow(0, part * length, length)
-        copy_checked(name, target, loaded)
-
+        check_shape(name, loaded, (self.output_sizes[block], *target.shape[1:]))
+        target.copy_(loaded.narrow(0, part * length, length))
 
     def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
         """Random weights (`draw(shape, part)`) as a checkpoint would hold them, this rank's
@@ -120,15 +120,17 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[T, local input]` -> `[T, output_size]`, the same on every rank."""
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        if self.tp.size == 1:  # one kernel, the bias fused
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # the bias added once, after the sum
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:
         """Copy this rank's input columns of checkpoint tensor `name` (a bias whole)."""
         param_name = name.rpartition(".")[2]
-        local = self.weight.shape[1]
-        if param_name == "weight" and loaded.dim() == 2 and loaded.shape[1] == local * self.tp.size:
-            loaded = loaded.narrow(1, self.input_start, local)
+        if param_name == "weight":
+            check_shape(name, loaded, (self.weight.shape[0], self.input_size))
+            loaded = loaded.narrow(1, self.input_start, self.weight.shape[1])
         copy_checked(name, getattr(self, param_name).data, loaded)
 
     def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:

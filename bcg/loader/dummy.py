@@ -25,10 +25,13 @@ def fill_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             seen.add(id(param))
             name = f"{module_name}.{param_name}"
 
-            def draw(shape: tuple[int, ...], part: int = 0, name: str = name) -> torch.Tensor:
+            def draw(shape: tuple[int, ...], part: int = 0, name: str = name,
+                     dtype: torch.dtype = param.dtype) -> torch.Tensor:
+                # In the parameter's dtype: no fp32 temporary twice its size.
                 key = zlib.crc32(f"{seed}:{name}:{part}".encode())
                 generator = torch.Generator(device=device).manual_seed(key)
-                return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+                return torch.empty(shape, device=device, dtype=dtype).normal_(
+                    0.0, std, generator=generator)
 
             if isinstance(module, RMSNorm):
                 param.fill_(1.0)

@@ -148,6 +148,14 @@ class GraphRunner:
             captured.graph.replay()
         return captured.output
 
+    def release(self) -> None:
+        """Reset every captured graph now, not whenever the garbage collector gets to it: a
+        graph that captured collectives must be gone before their process group is."""
+        torch.cuda.synchronize(self.device)  # no replay still running
+        for captured in self.graphs.values():
+            captured.graph.reset()
+        self.graphs.clear()
+
     def capture_all(self) -> None:
         """Warm every bucket up, then capture them all, largest first so smaller ones reuse
         the pool's blocks. Garbage is collected and the device synchronised once per runner,

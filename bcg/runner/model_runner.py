@@ -406,6 +406,8 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the graphs and the KV cache: graphs that captured collectives must be gone
         before the process group is."""
+        for runner in self.graph_runners:
+            runner.release()
         self.graph_runners.clear()
         self.kv_cache = None
 
@@ -415,6 +417,8 @@ def _plan_prompt_scoring(seqs: list[ScheduledSequence],
     """Which rows of this step score which prompt tokens, for the sequences asking for
     prompt logprobs: the row of position p scores prompt token p + 1."""
     scoring = _PromptScoring(array("q"), [], [], {})
+    if all(seq.sampling_params.prompt_logprobs is None for seq in seqs):
+        return scoring  # the usual step: no row offsets to add up
     starts = [0, *itertools.accumulate(num_new_tokens)]
     for i, seq in enumerate(seqs):
         top = seq.sampling_params.prompt_logprobs

@@ -7,11 +7,13 @@ receiving ranks."""
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from bcg.runner.batch import HostBatch
 
-_HEADER_FIELDS = 10  # HostBatch.sizes() (7), then the lengths of longs, ints and prompt_rows
+# HostBatch.sizes() (its fields but the two arrays), then the lengths of longs, ints and
+# prompt_rows.
+_HEADER_FIELDS = len(fields(HostBatch)) - 2 + 3
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bcg.distributed.launcher import TensorParallelError
 from bcg.engine.llm_engine import LLMEngine
 from bcg.engine.outputs import CompletionOutput, RequestOutput
 from bcg.engine.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class EngineLoop:
         self._routes: dict[str, _Route] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="bcg-engine", daemon=True)
+        self.fatal: TensorParallelError | None = None  # the engine cannot step any more
+        self.on_fatal: Callable[[], None] = lambda: None  # told once `fatal` is set
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -67,10 +70,11 @@ class EngineLoop:
         client gets a complete response (used on shutdown); returns at once."""
         self._commands.put(self._end_all)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort whatever is still running and join the engine thread."""
+    def stop(self) -> None:
+        """Abort whatever is still running and join the engine thread: wholly, so that no
+        step runs when the engine closes (closing tensor-parallel workers talks to them)."""
         self._commands.put(None)
-        self._thread.join(timeout)
+        self._thread.join()
 
     async def add(
         self,
@@ -180,6 +184,9 @@ class EngineLoop:
         except Exception as error:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(error)
+            if isinstance(error, TensorParallelError) and self.fatal is None:
+                self.fatal = error  # every later step would fail too: the server stops
+                self.on_fatal()
             return
         deliveries = []
         for output in outputs:

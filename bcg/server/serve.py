@@ -4,7 +4,8 @@ The port is checked before the model loads, so a busy or invalid one is a one-li
 at once. On a signal uvicorn stops accepting connections and in-flight requests may finish
 for `ServerSettings.graceful_shutdown_seconds`; then whatever is left is aborted (its
 clients get complete responses with finish_reason 'abort'), the engine thread stops and the
-process exits 0.
+process exits 0. A failed tensor-parallel rank stops the server too (the engine cannot step
+again): the error is logged and the process exits non-zero.
 
 Logging follows vLLM's server: a line per HTTP request (`bcg.server.access`), a throughput
 line every few seconds while requests are in flight, and a line at shutdown, all at INFO on
@@ -106,7 +107,12 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
         server_config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=max(1, round(2 * settings.graceful_shutdown_seconds)))
-        _server_exiting_cleanly(uvicorn.Server)(server_config).run()
+        server = _server_exiting_cleanly(uvicorn.Server)(server_config)
+        engine_loop = app.state.engine_loop
+        engine_loop.on_fatal = lambda: setattr(server, "should_exit", True)
+        server.run()
+        if engine_loop.fatal is not None:  # a tensor-parallel rank failed: exit non-zero
+            raise engine_loop.fatal
     finally:
         engine.close()  # the tensor-parallel workers end with the server
 

@@ -1,7 +1,7 @@
-"""Rank 0's side of tensor parallelism: size checks, the worker processes it spawns, naming
-a failed worker, and ending every rank.
+"""Rank 0's side of tensor parallelism: size checks, launching the worker processes (their
+own loop is `rank_loop`), naming a failed worker, and ending every rank.
 
-Unless a launcher (torchrun) started every rank, rank 0 spawns ranks 1..N-1 on this host and
+Unless torchrun started every rank, rank 0 spawns ranks 1..N-1 on this host and
 waits for each to report that it started (an early death, such as a script that spawns
 without an `if __name__ == "__main__":` guard, is an error at once, not a hang). A thread
 then watches the workers: one that raises reports its exception and exits, so rank 0's
@@ -16,19 +16,30 @@ import multiprocessing
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed.distributed_c10d as c10d
 
 from bcg.config import EngineConfig, require
-from bcg.distributed import worker
-from bcg.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, launched_rank
+from bcg.distributed import rank_loop
+from bcg.distributed.parallel_state import (
+    TensorParallel,
+    destroy_tensor_parallel,
+    launched_rank,
+    local_rank,
+)
 from bcg.models.config import ModelConfig
 
+if TYPE_CHECKING:
+    from bcg.runner.model_runner import ModelRunner
+
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 FAILURE_REPORT_SECONDS = 3.0  # how long a failed collective waits for a worker's report
 ABORT_AFTER_SECONDS = 2.0  # a failed worker's NCCL peers are aborted after this
@@ -64,19 +75,24 @@ class Workers:
         self.size = config.tensor_parallel_size
         self.spawned = self.size > 1 and launched_rank() is None
         self.processes: list[multiprocessing.Process] = []
-        self.runner = None  # rank 0's runner, once built: closed before the group goes
+        self.runner: ModelRunner | None = None  # rank 0's, once built: closed before the group
         self.failure: tuple[int, str] | None = None  # the first worker that failed
         self.broken: str | None = None  # why the ranks can no longer step together
         self._failed = threading.Event()
         self._closing = False
+        self._group_lock = threading.Lock()  # the failure timer's abort vs close()
         self._reports: list[Connection] = []  # each worker's reports, by rank - 1
         self.nccl = config.torch_device.type == "cuda"
         self.config = config  # rank 0's: its own device
         if self.size == 1:
             return
-        self.config = config = worker.rank_config(config)
+        # Rank 0 that spawns its workers takes cuda:0 whatever LOCAL_RANK a parent process
+        # left in the environment; under torchrun its own LOCAL_RANK.
+        device_index = 0 if self.spawned else local_rank()
+        self._num_threads = torch.get_num_threads()  # rank_config sets this process's share
+        self.config = config = rank_loop.rank_config(config, device_index)
         if not self.spawned:
-            worker.join_group(config)
+            rank_loop.join_group(config)
             return
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._spawn(config, init_method)
@@ -84,7 +100,7 @@ class Workers:
             self._wait_until_started()
             threading.Thread(target=self._watch, name="bcg-tp-watch", daemon=True).start()
             with self.failures_named():
-                worker.join_group(config, init_method, rank=0)
+                rank_loop.join_group(config, init_method, rank=0)
         except BaseException:
             self.close()
             raise
@@ -94,7 +110,7 @@ class Workers:
         for rank in range(1, self.size):
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
-                target=worker.spawned_worker_main, args=(config, rank, init_method, sender),
+                target=rank_loop.spawned_worker_main, args=(config, rank, init_method, sender),
                 name=f"bcg-tp-rank{rank}", daemon=True)
             process.start()
             sender.close()  # the worker's end: EOF here once it exits
@@ -128,6 +144,7 @@ class Workers:
                 if message is not None and message[0] == "failed":
                     self._record(rank, message[1])
                 elif ready is process.sentinel and not self._closing:
+                    process.join(1)  # reap it: its exit code is unknown until then
                     self._record(rank, f"its process exited with code {process.exitcode}")
                 # else the reports' end of file: the sentinel follows
 
@@ -138,13 +155,23 @@ class Workers:
         logger.error("tensor-parallel rank %d failed: %s", rank, message)
         self._failed.set()
         if self.nccl:  # NCCL waits for a dead peer forever: abort the group
-            timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_group)
+            timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_after_failure)
             timer.daemon = True
             timer.start()
 
+    def _abort_after_failure(self) -> None:
+        """The timer's abort: not once close() has begun (it aborts or destroys the group
+        itself, and the two must not run at once)."""
+        with self._group_lock:
+            if not self._closing:
+                self._abort_group()
+
     def _abort_group(self) -> None:
         abort = getattr(c10d, "_abort_process_group", None)
-        if abort is not None and not self._closing and c10d.is_initialized():
+        if abort is None:
+            logger.warning("this torch has no torch.distributed _abort_process_group: rank 0 "
+                           "may wait in a collective with the failed rank until NCCL's timeout")
+        elif c10d.is_initialized():
             abort()
 
     def error(self) -> TensorParallelError:
@@ -172,21 +199,41 @@ class Workers:
                     and self._failed.wait(FAILURE_REPORT_SECONDS if self.spawned else 0)):
                 raise self.error() from error
             raise
+        if self.failure is not None:
+            # The step "finished", but a worker failed in it: on GPUs the aborted NCCL
+            # collectives return whatever their buffers held, so its results are garbage.
+            self.broken = "a worker failed in a step"
+            raise self.error()
+
+    def run_step(self, step: Callable[..., T], *args: Any) -> T:
+        """`step(*args)` under `failures_named`, or as it is with no other rank to fail."""
+        if self.size == 1:
+            return step(*args)
+        with self.failures_named():
+            return step(*args)
 
     def close(self) -> None:
-        """End every rank: tell the workers to stop (or, out of step, terminate them), close
-        rank 0's runner and leave the group."""
-        if self._closing:
-            return
-        self._closing = True
+        """End every rank: tell the workers to stop (unless they are out of step), release
+        rank 0's graphs, leave the group, then wait for the workers (terminating any that do
+        not end)."""
+        with self._group_lock:
+            if self._closing:
+                return
+            self._closing = True
+        in_step = self.failure is None and self.broken is None
         self.broken = self.broken or "it was closed"
-        in_step = self.broken == "it was closed" and self.failure is None
         channel = getattr(self.runner, "step_channel", None)
         if channel is not None and in_step:
             try:
                 channel.send_shutdown()
             except RuntimeError:  # a worker is gone
                 in_step = False
+        if self.runner is not None:
+            self.runner.close()  # its graphs captured collectives of the group
+        if self.size > 1:
+            if not in_step and self.nccl:  # destroying an NCCL group whose peer died can hang
+                self._abort_group()
+            destroy_tensor_parallel()
         for process in self.processes:
             process.join(JOIN_SECONDS if in_step else 0)
             if process.is_alive():
@@ -195,17 +242,11 @@ class Workers:
             if process.is_alive():
                 process.kill()
                 process.join()
-        if self.runner is not None:
-            self.runner.close()
         if self.size > 1:
-            if in_step or not self.nccl:
-                destroy_tensor_parallel()
-            else:  # destroying an NCCL group whose peer died can hang
-                self._abort_group()
-                destroy_tensor_parallel()
+            torch.set_num_threads(self._num_threads)  # the caller's own again
 
 
-def _receive(reports) -> tuple[str, str] | None:
+def _receive(reports: Connection) -> tuple[str, str] | None:
     try:
         return reports.recv()
     except (EOFError, OSError):

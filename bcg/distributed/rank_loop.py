@@ -1,20 +1,22 @@
-"""A tensor-parallel worker (ranks 1..N-1): build the same runner as rank 0 on this rank's
-device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
+"""The loop of a tensor-parallel worker (ranks 1..N-1): build the same runner as rank 0 on
+this rank's device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
 
-Rank 0 spawns the workers itself (`spawned_worker_main`: one host, devices 0..N-1, start and
-failure reported through a pipe), or a launcher such as torchrun starts every rank
-(`serve_steps` with env-style initialisation, on cuda:LOCAL_RANK).
+Rank 0 launches the workers itself (`launcher`; here `spawned_worker_main`: one host,
+devices 0..N-1, start and failure reported through a pipe), or torchrun starts every rank
+(`launched_worker_main`, env-style initialisation, on cuda:LOCAL_RANK).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import NoReturn
 
 import torch
 
@@ -27,15 +29,18 @@ from bcg.distributed.parallel_state import (
 )
 from bcg.runner.step_plan import StepPlan
 
+logger = logging.getLogger(__name__)
+
 PARENT_CHECK_SECONDS = 1.0
 
 
-def rank_config(config: EngineConfig) -> EngineConfig:
-    """`config` for this rank: its own GPU (cuda:LOCAL_RANK); on the CPU, its share of the
-    cores (ranks that each run all of them fight over them and every step slows down)."""
+def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
+    """`config` for this rank: its own GPU (cuda:`device_index`); on the CPU, its share of
+    the cores (ranks that each run all of them fight over them and every step slows down;
+    this sets the calling process's torch threads)."""
     if config.torch_device.type == "cuda":
         config = copy.copy(config)  # not `replace`: the checks refuse cuda:N at size > 1
-        config.device = f"cuda:{local_rank()}"
+        config.device = f"cuda:{device_index}"
         return config
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // config.tensor_parallel_size))
@@ -49,7 +54,8 @@ def join_group(config: EngineConfig, init_method: str = "env://",
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return init_tensor_parallel(config.tensor_parallel_size, backend, init_method, rank)
+    return init_tensor_parallel(config.tensor_parallel_size, backend, init_method, rank,
+                                device)
 
 
 def serve_steps(config: EngineConfig, init_method: str = "env://",
@@ -58,13 +64,30 @@ def serve_steps(config: EngineConfig, init_method: str = "env://",
     steps until it shuts down."""
     from bcg.engine.llm_engine import start_runner  # the engine imports this module
 
-    config = rank_config(config)
+    # Spawned by rank 0 on its host: the device index is the rank. Under torchrun: LOCAL_RANK.
+    config = rank_config(config, local_rank() if rank is None else rank)
     join_group(config, init_method, rank)
     runner = start_runner(config)
-    while (message := runner.step_channel.receive()) is not None:
-        runner.run_plan(StepPlan.from_bytes(message))
-    runner.close()
+    try:
+        while (message := runner.step_channel.receive()) is not None:
+            runner.run_plan(StepPlan.from_bytes(message))
+    finally:
+        runner.close()  # its graphs go before the group (or the process)
     destroy_tensor_parallel()
+
+
+def launched_worker_main(config: EngineConfig) -> NoReturn:
+    """A rank that a launcher (torchrun) started: serve rank 0's steps, then end the process
+    (the script that built the engine must not go on as if it had one): with 0 once rank 0
+    shuts down, or with 1 and the error logged naming this rank (torchrun then ends the
+    others)."""
+    try:
+        serve_steps(config)
+    except BaseException:  # noqa: BLE001 - logged, then the process ends
+        logger.exception("tensor-parallel rank %s failed", os.environ.get("RANK", "?"))
+        logging.shutdown()
+        os._exit(1)  # not SystemExit: nothing of the caller's may run on a broken rank
+    raise SystemExit(0)
 
 
 def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,
@@ -74,7 +97,6 @@ def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,
     this rank then fails on rank 0 instead of hanging."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides
     _exit_with_parent()
-    os.environ["LOCAL_RANK"] = str(rank)  # one host: the device index is the rank
     try:
         reports.send(("started", ""))
         serve_steps(config, init_method, rank)
