@@ -28,7 +28,10 @@ for step in "${steps[@]}"; do
   if [ "$name" = tests ]; then
     # One process per file: a CUDA error is sticky and would fail every later test.
     : >"$log_dir/tests.log"
-    for file in $(grep -l "gpu" tests/test_*.py); do
+    # Files with gpu-marked tests (marks may come from shared helpers), and every kernel file.
+    gpu_files=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null |
+      grep -oE '^tests/test_[a-z0-9_]+\.py' | sort -u)
+    for file in $(printf '%s\n' $gpu_files tests/test_kernels_*.py | sort -u); do
       if [ ${#args[@]} -gt 0 ]; then
         wanted=0
         for word in "${args[@]}"; do [[ "$file" == *"$word"* ]] && wanted=1; done
