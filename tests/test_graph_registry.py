@@ -47,6 +47,17 @@ def test_decode_registry_pads_rows_harmlessly():
     assert view.cu_seqlens_q.tolist() == list(range(9))
 
 
+def test_decode_capture_batch_of_a_stateful_model_has_state_slots():
+    """Decode graphs are captured from an empty batch: its (empty) state slots must still
+    select the static buffer, all padding (-1), or the Mamba mixer is captured without it."""
+    registry = build_decode_registry(torch.device("cpu"), max_bs=4, max_blocks_per_seq=2,
+                                     stateful=True)
+    empty = build_batch([], [], 16, torch.device("cpu"), stateful=True)
+    registry.fill_from(empty, raw_bs=0, padded_bs=4, raw_num_tokens=0, padded_num_tokens=4)
+    view = registry.extract_buffer(padded_bs=4, padded_num_tokens=4, template=empty)
+    assert view.state_slots.tolist() == [-1] * 4
+
+
 def test_models_without_state_carry_no_state_slots():
     """Dense models neither build state slots on the host nor fill a static buffer."""
     registry = build_decode_registry(torch.device("cpu"), max_bs=8, max_blocks_per_seq=4)

@@ -107,18 +107,18 @@ class HostBatch:
     max_blocks: int
     max_seqlen_q: int
     max_seq_len: int
-    num_state_slots: int  # num_seqs for a model with recurrent state, else 0
+    stateful: bool  # a model with recurrent state: ints end with one state slot per sequence
 
     def sizes(self) -> list[int]:
         return [self.num_tokens, self.num_seqs, self.num_samples, self.max_blocks,
-                self.max_seqlen_q, self.max_seq_len, self.num_state_slots]
+                self.max_seqlen_q, self.max_seq_len, int(self.stateful)]
 
     def upload(self, device: torch.device) -> ForwardBatch:
         tokens, seqs = self.num_tokens, self.num_seqs
         longs = _upload(self.longs, [tokens, tokens, tokens, self.num_samples], torch.int64,
                         device)
         ints = _upload(self.ints, [seqs + 1, seqs, seqs * self.max_blocks,
-                                   self.num_state_slots], torch.int32, device)
+                                   seqs if self.stateful else 0], torch.int32, device)
         return ForwardBatch(
             input_ids=longs[0],
             positions=longs[1],
@@ -127,7 +127,7 @@ class HostBatch:
             cu_seqlens_q=ints[0],
             seq_lens=ints[1],
             block_tables=ints[2].view(seqs, self.max_blocks),
-            state_slots=ints[3] if self.num_state_slots else None,
+            state_slots=ints[3] if self.stateful else None,
             num_tokens=tokens,
             num_seqs=seqs,
             max_seqlen_q=self.max_seqlen_q,
@@ -172,7 +172,7 @@ def build_host_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], b
         max_blocks=max_blocks,
         max_seqlen_q=max(num_new_tokens, default=1),
         max_seq_len=max(seq_lens, default=0),
-        num_state_slots=len(seqs) if stateful else 0,
+        stateful=stateful,
     )
 
 
