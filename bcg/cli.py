@@ -46,7 +46,7 @@ def _add_dataclass_args(group, cls: type) -> None:
         meta = field.metadata
         flags = (_flag(field.name), *meta.get("aliases", ()))
         help_text = meta["help"].replace("%", "%%")  # argparse %-formats help
-        if hints[field.name] is bool:
+        if hints[field.name] in (bool, bool | None):  # None: decided by the device
             group.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                default=field.default, help=help_text)
             continue

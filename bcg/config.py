@@ -105,6 +105,13 @@ class EngineConfig:
         False, "run every step eagerly: no CUDA graphs (vLLM's flag; the same as "
         "--prefill-graph none --decode-graph none)",
     )
+    overlap: bool | None = _arg(
+        None,
+        "overlap each step's host work (scheduling, building and uploading the next batch, "
+        "stop checks and detokenising) with the device running the step before: sampled "
+        "tokens feed the next step on the device and reach the host one step later (outputs "
+        "are unchanged). Default: on for CUDA, off on CPU, where nothing runs concurrently",
+    )
     verify_graphs: bool = _arg(
         False,
         "after capture, replay every graph bucket on fresh inputs against eager and refuse to "
@@ -168,6 +175,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def overlaps_steps(self) -> bool:
+        return self.torch_device.type == "cuda" if self.overlap is None else self.overlap
 
     @property
     def torch_dtype(self) -> torch.dtype:

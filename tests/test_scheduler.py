@@ -33,8 +33,11 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence]) -> list:
         assert output.num_tokens <= scheduler.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
         steps.append(output)
-        for s in scheduler.advance(output):
+        sampled = scheduler.advance(output)
+        for s in sampled:
             s.append_token(fake_next_token(s.token_ids))
+        scheduler.cache_computed_blocks(output)  # as the engine: tokens known, then stops
+        for s in sampled:
             if s.num_output_tokens == s.sampling_params.max_tokens:
                 scheduler.finish(s, "length")
         assert len(steps) < 1000

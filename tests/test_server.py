@@ -25,7 +25,9 @@ pytest.importorskip("uvicorn")
 @pytest.fixture(scope="module")
 def server():
     require_builtin_model()
-    with running_server(["--max-model-len", str(MAX_MODEL_LEN)]) as base:
+    # Overlapped steps, as on CUDA by default: streams, stop strings, disconnects and
+    # concurrent requests (checked against offline generate's plain steps) all go through them.
+    with running_server(["--max-model-len", str(MAX_MODEL_LEN), "--overlap"]) as base:
         yield base
 
 

@@ -53,7 +53,10 @@ def logprob_values(positions) -> list[float]:
 
 
 def test_tp2_generates_tp1s_tokens_and_logprobs(tiny_folder):
-    expected, ours = generate(tiny_folder, 1), generate(tiny_folder, 2)
+    # Qwen3's ranks overlap their steps: the workers then take each step's sampled tokens,
+    # for the next step's inputs, from rank 0 by broadcast.
+    overlap = tiny_folder.name.startswith("qwen3")
+    expected, ours = generate(tiny_folder, 1), generate(tiny_folder, 2, overlap=overlap)
     for mine, ref in zip(ours, expected, strict=True):
         assert mine.outputs[0].token_ids == ref.outputs[0].token_ids
         for got, want in ((mine.outputs[0].logprobs, ref.outputs[0].logprobs),

@@ -53,6 +53,12 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place."""
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=0)
+        return x
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (on the CPU group)."""
         if self.size == 1:

@@ -70,7 +70,9 @@ def serve_steps(config: EngineConfig, init_method: str = "env://",
     runner = start_runner(config)
     try:
         while (message := runner.step_channel.receive()) is not None:
-            runner.run_plan(StepPlan.from_bytes(message))
+            plan = StepPlan.from_bytes(message)
+            runner.run_plan(plan)
+            runner.keep_samples(plan.batch.num_samples)
     finally:
         runner.close()  # its graphs go before the group (or the process)
     destroy_tensor_parallel()

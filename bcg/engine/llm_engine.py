@@ -32,7 +32,7 @@ from bcg.loader.model_source import ModelSource, resolve_model
 from bcg.loader.tokenizer import load_tokenizer
 from bcg.models.config import ModelConfig
 from bcg.runner.graph_verify import verify_graphs
-from bcg.runner.model_runner import ModelRunner
+from bcg.runner.model_runner import ModelRunner, StepResult
 from bcg.timing import startup_step
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,20 @@ class EngineStats:
 def check_one_per_prompt(prompts: Sized, params: Sized) -> None:
     require(len(prompts) == len(params),
             f"got {len(params)} sampling params for {len(prompts)} prompts: pass one per prompt")
+
+
+@dataclass
+class _IssuedStep:
+    """A step the device runs or ran: what was scheduled, the sequences that sample in it
+    (in order), and the runner's result, whose tokens arrive when read."""
+
+    scheduled: SchedulerOutput
+    sampled: list[Sequence]
+    result: StepResult
+
+    def needs_tokens_to_schedule(self) -> bool:
+        """Whether the next step must wait for these tokens on the host (penalties read them)."""
+        return any(seq.sampling_params.has_penalties for seq in self.sampled)
 
 
 @dataclass
@@ -145,6 +159,8 @@ class LLMEngine:
             block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.stats = EngineStats()
+        self.overlap = config.overlaps_steps
+        self._in_flight: _IssuedStep | None = None  # overlapped: the step the device runs
         self._requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self._token_texts: dict[int, str] = {}
@@ -223,26 +239,69 @@ class LLMEngine:
             self.scheduler.finish(request.seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one model step; return an output for each request that got a new token, or
         with `finished_only` for each request that finished: a caller that waits for whole
-        requests then skips copying every running request's tokens and text each step."""
+        requests then skips copying every running request's tokens and text each step.
+
+        With overlapped steps the outputs are those of the step before, whose tokens the
+        host reads only after it has issued this one: the device never waits for the host."""
         start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_tokens_to_schedule():
+            outputs += self._complete(self._take_in_flight(), finished_only)
         scheduled = self.scheduler.schedule()
-        if not scheduled.seqs:
-            return []
+        issued = self._issue(scheduled) if scheduled.seqs else None
+        if self._in_flight is not None:
+            outputs += self._complete(self._take_in_flight(), finished_only)
+        if issued is not None:
+            self._count(scheduled, time.perf_counter() - start)
+            if self.overlap:
+                self._in_flight = issued
+            else:
+                outputs += self._complete(issued, finished_only)
+        return outputs
+
+    def _issue(self, scheduled: SchedulerOutput) -> _IssuedStep:
+        """Start the step on the device; each sequence that samples gets a pending token
+        (the runner feeds the real one to the next step from the device)."""
         result = self._workers.run_step(self.runner.execute, scheduled.seqs,
                                         scheduled.num_new_tokens)
-        self._count(scheduled, time.perf_counter() - start)
-        for index, (position, scored) in result.prompt_logprobs.items():
-            self._record_prompt_logprobs(scheduled.seqs[index], position, scored)
-        outputs = []
         sampled = self.scheduler.advance(scheduled)
-        for seq, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs,
-                                           strict=True):
-            self._append(seq, token_id, logprobs)
+        for row, seq in enumerate(sampled):
+            if seq.sampling_params.max_tokens:  # else the prompt was only scored
+                seq.append_pending_token(row)
+        return _IssuedStep(scheduled, sampled, result)
+
+    def _take_in_flight(self) -> _IssuedStep:
+        issued, self._in_flight = self._in_flight, None
+        return issued
+
+    def _complete(self, issued: _IssuedStep, finished_only: bool) -> list[RequestOutput]:
+        """Take an issued step's tokens (waiting for the device if it is still running):
+        put them in place of their stand-ins, then stop checks, logprobs and outputs. A
+        sequence that finished or was aborted since the step was issued drops its token."""
+        result, live = issued.result, []
+        for seq, token_id, logprobs in zip(issued.sampled, result.token_ids.tolist(),
+                                           result.logprobs, strict=True):
+            if seq.is_finished:
+                continue
+            if seq.sampling_params.max_tokens:
+                seq.resolve_pending_token(token_id)
+            live.append((seq, token_id, logprobs))
+        for index, (position, scored) in result.prompt_logprobs.items():
+            seq = issued.scheduled.seqs[index]
+            if not seq.is_finished:
+                self._record_prompt_logprobs(seq, position, scored)
+        self.scheduler.cache_computed_blocks(issued.scheduled)
+        outputs = []
+        for seq, token_id, logprobs in live:
+            if not seq.sampling_params.max_tokens:  # the prompt was only scored
+                self.scheduler.finish(seq, "length")
+            else:
+                self._accept(seq, token_id, logprobs)
             if seq.is_finished or not finished_only:
                 outputs.append(self._output(seq))
             if seq.is_finished:
@@ -266,16 +325,13 @@ class LLMEngine:
                 "a prompt must be a string or a list of token ids (int)")
         return list(prompt)
 
-    def _append(self, seq: Sequence, token_id: int, logprobs) -> None:
-        if seq.sampling_params.max_tokens == 0:  # the prompt was only scored
-            self.scheduler.finish(seq, "length")
-            return
-        seq.append_token(token_id)
+    def _accept(self, seq: Sequence, token_id: int, logprobs) -> None:
+        """The host has `seq`'s new token (in place): logprobs, detokenising, stop checks."""
         request = self._requests[seq.request_id]
         if request.logprobs is not None:
             request.logprobs.append(self._position_logprobs(token_id, logprobs))
             request.cumulative_logprob += logprobs[0]
-        may_stop = seq.num_output_tokens >= seq.sampling_params.min_tokens
+        may_stop = seq.num_known_output_tokens >= seq.sampling_params.min_tokens
         stopped_by_text = (request.detokenizer is not None
                            and request.detokenizer.add(token_id, may_stop))
         reason = self._finish_reason(seq, token_id, stopped_by_text)
@@ -314,7 +370,7 @@ class LLMEngine:
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         if stopped_by_text or is_eos or token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens:  # admission kept it within max_model_len
+        if seq.num_known_output_tokens >= params.max_tokens:  # admission kept max_model_len
             return "length"
         return None
 
@@ -354,8 +410,9 @@ class LLMEngine:
                 "prompt")
 
     def _count(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        # Counted once the step is issued: a decode's one token follows its whole prompt.
         decode = sum(n for s, n in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True)
-                     if n == 1 and s.num_output_tokens)
+                     if n == 1 and s.num_computed_tokens > s.num_prompt_tokens)
         prefill = scheduled.num_tokens - decode
         self.stats.decode_tokens += decode
         self.stats.prefill_tokens += prefill

@@ -43,10 +43,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_numbers()
         self._check_logit_bias()
-        # Read by the runner every step: whether the logits need more than sampling.
-        self.processes_logits = bool(
-            self.logit_bias or self.min_tokens or self.presence_penalty
-            or self.frequency_penalty or self.repetition_penalty != 1)
+        # Read every step. Penalties read earlier tokens' values on the host, so an
+        # overlapped step waits for its sequences' last tokens before the next is built.
+        self.has_penalties = bool(self.presence_penalty or self.frequency_penalty
+                                  or self.repetition_penalty != 1)
+        self.processes_logits = bool(self.logit_bias or self.min_tokens or self.has_penalties)
 
     def _check_numbers(self) -> None:
         _check(self.n, "n", is_int(self.n) and self.n >= 1, "an integer >= 1")

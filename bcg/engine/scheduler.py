@@ -56,15 +56,21 @@ class Scheduler:
         return output
 
     def advance(self, output: SchedulerOutput) -> list[Sequence]:
-        """After the step ran: count the computed tokens, offer full blocks to the prefix
-        cache, and return the sequences that sampled a token this step, in order."""
+        """Once the step is issued: count its tokens as computed and return the sequences
+        that sample a token in it, in order."""
         sampled = []
         for seq, n in zip(output.seqs, output.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 sampled.append(seq)
         return sampled
+
+    def cache_computed_blocks(self, output: SchedulerOutput) -> None:
+        """Once the step's tokens are on the host: offer the blocks it filled to the prefix
+        cache (a block is hashed by its tokens, so none may still be pending)."""
+        for seq in output.seqs:
+            if not seq.is_finished:
+                self.block_manager.cache_computed_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (running or waiting) and free its blocks."""
@@ -77,7 +83,8 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
         budget = self.max_num_batched_tokens
-        queue = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))
+        ready = (seq for seq in self.running if seq.needs_compute)
+        queue = deque(sorted(ready, key=lambda s: s.num_uncomputed_tokens > 1))
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)

@@ -42,6 +42,9 @@ class ScheduledSequence(Protocol):
     num_computed_tokens: int  # tokens whose K/V are already in the cache
     block_table: array | list[int]  # array('i') (copied fastest) or a list of ints
     state_slot: int  # recurrent state slot of a hybrid's sequence; -1: none
+    # Its last token's row in the last step's samples while the host waits for it
+    # (overlapped steps; `token_ids` holds a stand-in there); -1: the host has it.
+    pending_sample_row: int
     sampling_params: SamplingOptions
     generator: torch.Generator | None
 
@@ -71,12 +74,30 @@ class SyntheticSequence:
     block_table: list[int]
     num_computed_tokens: int = 0
     state_slot: int = -1  # no state kept
+    pending_sample_row: int = -1
     sampling_params: SamplingOptions = field(default_factory=SlowestSampling)
     generator: None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def pending_token_rows(seqs: list[ScheduledSequence], num_new_tokens: list[int]) -> array:
+    """(input row, sample row) pairs, flat: each sequence whose last token this step computes
+    while the host still waits for it (`pending_sample_row`: where the last step's samples
+    hold it)."""
+    rows, end = array("q"), 0
+    for seq, n in zip(seqs, num_new_tokens, strict=True):
+        end += n
+        if seq.pending_sample_row >= 0 and seq.num_computed_tokens + n == len(seq.token_ids):
+            rows.extend((end - 1, seq.pending_sample_row))
+    return rows
+
+
+def upload_longs(values: array, device: torch.device) -> torch.Tensor:
+    """An int64 `array` on `device`, copied without waiting."""
+    return _upload(values, [len(values)], torch.int64, device)[0]
 
 
 def samples_this_step(seq: ScheduledSequence, num_new_tokens: int) -> bool:

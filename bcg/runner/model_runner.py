@@ -42,13 +42,21 @@ from bcg.runner.batch import (
     SyntheticSequence,
     build_batch,
     build_host_batch,
+    pending_token_rows,
     samples_this_step,
+    upload_longs,
 )
 from bcg.runner.decode_graph import DecodeGraphRunner
 from bcg.runner.graph_runner import GraphRunner, StackSpec, frozen_gc
 from bcg.runner.host import cpu_kv_cache_budget, warn_if_cores_contended
 from bcg.runner.prefill_graph import PrefillGraphRunner
-from bcg.runner.sampling import PositionLogprobs, SamplingContext, build_sampling_batch, to_python
+from bcg.runner.sampling import (
+    PositionLogprobs,
+    SampledTokens,
+    SamplingContext,
+    build_sampling_batch,
+    to_python,
+)
 from bcg.runner.step_plan import StepPlan
 from bcg.timing import startup_step
 from bcg.utils import cdiv
@@ -58,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    token_ids: list[int]  # the sampled token of each sequence that samples, in order
+    token_ids: SampledTokens  # the sampled token of each sequence that samples, in order
     logprobs: list[PositionLogprobs | None]  # of each sampled token, where asked for
     # Sequence index -> (position of its first scored prompt token, their logprobs), for the
     # sequences asking for prompt logprobs whose prompt this step computed.
@@ -100,6 +108,10 @@ class ModelRunner:
         self.state_cache = self._allocate_state_cache(config, max_model_len)
         self.mamba = mamba_backend(self.device) if self.state_cache is not None else None
         self.sampler = Sampler()
+        # Overlapped steps: the last step's sampled ids stay here, on the device, for the
+        # next step's tokens the host does not have yet (every rank keeps them).
+        self.overlap = config.overlaps_steps
+        self._samples: torch.Tensor | None = None
         self.sampling = SamplingContext(self.device, c.vocab_size, tuple(eos_token_ids))
         self.forward_counts: Counter[str] = Counter()
         # Prefill graphs never touch the cache inside a segment, so they are captured against a
@@ -209,7 +221,8 @@ class ModelRunner:
         scoring = _plan_prompt_scoring(seqs, num_new_tokens)
         batch = build_host_batch(seqs, num_new_tokens, self.block_size,
                                  stateful=self.state_cache is not None)
-        plan = StepPlan(batch, scoring.rows)
+        pending = pending_token_rows(seqs, num_new_tokens) if self.overlap else array("q")
+        plan = StepPlan(batch, scoring.rows, pending)
         if self.step_channel is not None:
             self.step_channel.send(plan.to_bytes())
         targets = torch.tensor(scoring.targets, device=self.device) if scoring.rows else None
@@ -224,11 +237,24 @@ class ModelRunner:
         prompt_logprobs = {i: (position, scored[offset : offset + count])
                            for i, (position, offset, count) in scoring.spans.items()}
         if logits is None:
-            return StepResult([], [], prompt_logprobs)
+            self.keep_samples(0)
+            return StepResult(SampledTokens.none(), [], prompt_logprobs)
         sampling = [s for s, n in zip(seqs, num_new_tokens, strict=True) if samples_this_step(s, n)]
         token_ids = self.sampler(logits, build_sampling_batch(sampling, self.sampling))
-        return StepResult(token_ids.tolist(), self._sample_logprobs(sampling, logits, token_ids),
-                          prompt_logprobs)
+        self.keep_samples(len(sampling), token_ids)
+        return StepResult(SampledTokens(token_ids),
+                          self._sample_logprobs(sampling, logits, token_ids), prompt_logprobs)
+
+    def keep_samples(self, num_samples: int, token_ids: torch.Tensor | None = None) -> None:
+        """With overlapped steps, keep this step's `num_samples` sampled ids on the device
+        for the next step; rank 0 drew them (`token_ids`) and sends them to the other ranks."""
+        if not self.overlap:
+            return
+        if num_samples and tensor_parallel().size > 1:
+            if token_ids is None:
+                token_ids = torch.empty(num_samples, dtype=torch.int64, device=self.device)
+            tensor_parallel().broadcast(token_ids)
+        self._samples = token_ids if num_samples else None
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan,
@@ -239,6 +265,8 @@ class ModelRunner:
         chunk), then on its sampled rows, whose logits it returns (None if none). Every rank
         runs this, in the same order: the head gathers the vocabulary from all of them."""
         batch = plan.batch.upload(self.device)
+        if plan.pending_rows:
+            self._fill_pending_tokens(batch, plan.pending_rows)
         hidden_states = self.forward(batch)
         if plan.prompt_rows:
             rows = torch.frombuffer(plan.prompt_rows, dtype=torch.int64).to(self.device)
@@ -252,6 +280,13 @@ class ModelRunner:
         # A pure decode samples every row: a view then, not a gather (a launch and a copy).
         rows = batch.sample_indices if plan.batch.num_samples < batch.num_tokens else slice(None)
         return self.model.compute_logits(hidden_states[rows])
+
+    def _fill_pending_tokens(self, batch: ForwardBatch, pending_rows: array) -> None:
+        """Write the tokens the host does not have yet (overlapped steps) into the batch's
+        input ids, from the last step's samples: `pending_rows` pairs (input row, sample row)."""
+        assert self._samples is not None, "a pending token but no samples from the last step"
+        pairs = upload_longs(pending_rows, self.device).view(-1, 2)
+        batch.input_ids[pairs[:, 0]] = self._samples[pairs[:, 1]]
 
     def _sample_logprobs(self, seqs: list[ScheduledSequence], logits: torch.Tensor,
                          token_ids: torch.Tensor) -> list[PositionLogprobs | None]:

@@ -31,6 +31,30 @@ class SamplingContext:
         return host.to(self.device, non_blocking=True)
 
 
+class SampledTokens:
+    """A step's sampled ids on their way to the host: the copy starts at once (into pinned
+    memory, on CUDA) and is waited for only when read, so the host can issue the next step
+    meanwhile."""
+
+    def __init__(self, token_ids: torch.Tensor) -> None:
+        self._ready = None
+        if token_ids.is_cuda:
+            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            token_ids = host.copy_(token_ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._host = token_ids
+
+    @classmethod
+    def none(cls) -> SampledTokens:
+        return cls(torch.empty(0, dtype=torch.int64))
+
+    def tolist(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
 def build_sampling_batch(seqs: list[ScheduledSequence], ctx: SamplingContext) -> SamplingBatch:
     params = [seq.sampling_params for seq in seqs]
     generators = [seq.generator for seq in seqs]
