@@ -6,6 +6,15 @@ Each case starts `batch` requests with 128-token prompts, runs the prefill, then
 tokens of all requests, ms/step is the wall time of one `LLMEngine.step()` (scheduling,
 batch building, the eager forward, sampling and detokenization included).
 
+Time per output token (tpot) is measured through `LLM.generate`, which has no per-token
+timestamps, as the difference of two calls on fresh 128-token prompts (no prefix-cache hit):
+tpot = (T(n) - T(1)) / (n - 1), where T(k) is the wall time of a `generate` of `batch`
+requests each producing k tokens (greedy, `ignore_eos`, n = `TPOT_TOKENS`). T(1) is the time
+to first token of that call (prefill, first sample, the call's own overhead), so this is
+(wall time - time to first token) / (tokens - 1); each is the median of `TPOT_REPEATS` pairs.
+Batch 1 is exact; a larger batch whose prefill takes several chunked steps starts its
+requests' decodes a few steps apart, which T(n) - T(1) counts as decode time.
+
 The weight-read roofline of a step is the bytes of weights one forward reads divided by the
 measured HBM bandwidth. Run: python bench/bench_decode.py [--models ...]
 """
@@ -14,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,14 +57,21 @@ BATCH_SIZES = [1, 8, 64]
 PROMPT_LEN = 128
 WARMUP_STEPS = 4
 DECODE_STEPS = 32
+TPOT_TOKENS = 256
+TPOT_REPEATS = 3
+
+
+def prompts(batch: int, seed: str) -> list[list[int]]:
+    """`batch` prompts of `PROMPT_LEN` random tokens; another seed shares no prefix with them."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 5100) for _ in range(PROMPT_LEN)] for _ in range(batch)]
 
 
 def measure(engine: LLMEngine, batch: int) -> float:
     """Seconds per decode step with `batch` requests decoding."""
     params = SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + DECODE_STEPS + 2,
                             ignore_eos=True)
-    ids = [engine.add_request([(31 * r + 7 * i) % 5000 + 100 for i in range(PROMPT_LEN)], params)
-           for r in range(batch)]
+    ids = [engine.add_request(prompt, params) for prompt in prompts(batch, "steps")]
     started: set[str] = set()
     while len(started) < batch:  # prefill (possibly chunked) until every request decodes
         started.update(o.request_id for o in engine.step())
@@ -68,6 +86,28 @@ def measure(engine: LLMEngine, batch: int) -> float:
     for request_id in ids:
         engine.abort_request(request_id)
     return seconds
+
+
+def generate_seconds(llm: LLM, batch: int, max_tokens: int, seed: str) -> float:
+    """Wall time of one `LLM.generate` of `batch` fresh prompts each producing `max_tokens`."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    batch_prompts = prompts(batch, seed)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(batch_prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def tpot(llm: LLM, batch: int) -> tuple[float, float]:
+    """Seconds per output token and to the first token through `LLM.generate` (see the module
+    docstring), medians of `TPOT_REPEATS` runs."""
+    firsts, tpots = [], []
+    for repeat in range(TPOT_REPEATS):
+        first = generate_seconds(llm, batch, 1, f"first {batch} {repeat}")
+        whole = generate_seconds(llm, batch, TPOT_TOKENS, f"whole {batch} {repeat}")
+        firsts.append(first)
+        tpots.append((whole - first) / (TPOT_TOKENS - 1))
+    return statistics.median(tpots), statistics.median(firsts)
 
 
 def main() -> None:
@@ -85,16 +125,22 @@ def main() -> None:
             roofline_ms = decode_weight_bytes(llm.engine.runner.model) / (hbm_gbs * 1e9) * 1e3
             for batch in BATCH_SIZES:
                 ms = measure(llm.engine, batch) * 1e3
-                rows.append([name, mode, batch, ms, batch / ms * 1e3, ms / roofline_ms])
-                results.append({"model": name, "mode": mode, "batch": batch, "ms_per_step": ms,
-                                "tokens_per_s": batch / ms * 1e3, "roofline_ms": roofline_ms})
+                tpot_s, ttft_s = tpot(llm, batch)
+                rows.append([name, mode, batch, ms, batch / ms * 1e3, ms / roofline_ms,
+                             tpot_s * 1e3, ttft_s * 1e3])
+                results.append({"model": name, "mode": mode, "batch_size": batch,
+                                "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3,
+                                "roofline_ms": roofline_ms, "tpot_ms": tpot_s * 1e3,
+                                "ttft_ms": ttft_s * 1e3})
             del llm
             gc.collect()
             torch.cuda.empty_cache()
     print_table(f"decode engine step (bf16; HBM {hbm_gbs:.0f} GB/s)",
-                ["model", "mode", "batch", "ms/step", "tok/s", "x weight-read roofline"], rows)
+                ["model", "mode", "batch", "ms/step", "tok/s", "x weight-read roofline",
+                 "tpot ms", "ttft ms"], rows)
     write_results("bench_decode", {"prompt_len": PROMPT_LEN, "hbm_gbs": hbm_gbs,
-                                   "decode_steps": DECODE_STEPS, "results": results})
+                                   "decode_steps": DECODE_STEPS, "tpot_tokens": TPOT_TOKENS,
+                                   "results": results})
 
 
 if __name__ == "__main__":

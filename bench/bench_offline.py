@@ -1,16 +1,23 @@
 """Offline throughput: a fixed workload through `LLM.generate` per graph mode, and Hugging
-Face transformers `generate` on the same architecture as the outside peer.
+Face transformers on the same architecture as the outside peers: its `generate` and its
+continuous batching.
 
 256 requests, prompt and output lengths uniform in [100, 1024] (fixed seed), greedy,
-`ignore_eos` so every request produces its full length; dummy weights in bf16. tok/s counts
-prompt + generated tokens over the wall time of the whole run; start-up is the engine's
-construction (weights, graph capture, KV cache); each engine first runs a short warm-up
-of the same prompt lengths (not timed: see `timed_run`), then `--repeats` timed runs of the
-workload's lengths, and the row is the median run. Transformers runs the requests in batches
+`ignore_eos` so every request produces its full length; dummy weights in bf16. Output tok/s
+is counted as nano-vllm counts it: the sum of the requests' max_tokens over the wall time of
+the timed run (a run that generated any other number of tokens is an error); tok/s counts
+prompt + generated tokens over the same time. Start-up is the engine's construction
+(weights, graph capture, KV cache); each engine first runs a short warm-up of the same
+prompt lengths (not timed: see `timed_run`), then `--repeats` timed runs of the workload's
+lengths, and the row is the median run. Transformers `generate` runs the requests in batches
 of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
-request asked for are counted); `--hf-requests N` times only the first N requests, for a
-peer too slow to finish all of them in the time at hand (its row says how many it ran).
-A run of some modes keeps the other modes' earlier rows.
+request asked for are counted). Transformers continuous batching runs the manager behind
+`generate_batch` (paged KV cache, CUDA graphs on; flash attention if installed, else SDPA),
+each request with its own max_new_tokens (`generate_batch` takes one for all requests), after
+a warm-up like the engines'; one timed run. `--hf-requests N` gives the transformers modes
+only the first N requests, for a peer too slow to finish all of them in the time at hand
+(its row says how many it ran; rates stay comparable). A run of some modes keeps the other
+modes' earlier rows.
 Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
 """
 
@@ -41,13 +48,19 @@ MODES = {
     "decode + breakable": {"decode_graph": "full", "prefill_graph": "breakable"},
     "decode + piecewise": {"decode_graph": "full", "prefill_graph": "piecewise"},
 }
-HF_MODE = "transformers generate"
+HF_GENERATE = "transformers generate"
+HF_CONTINUOUS = "transformers continuous batching"
 
 
 def workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(100, vocab) for _ in range(rng.randint(100, 1024))],
              rng.randint(100, 1024)) for _ in range(NUM_REQUESTS)]
+
+
+def output_tokens(requests) -> int:
+    """The tokens the requests ask for (their max_tokens summed): nano-vllm's output count."""
+    return sum(n for _, n in requests)
 
 
 def same_lengths(requests, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -72,8 +85,7 @@ def run_bcg(model: str, mode: str, requests, repeats: int) -> dict:
     median = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
     kv_cache_tokens = llm.engine.runner.num_kv_blocks * llm.engine.config.block_size
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_cuda_memory()
     return {**median, "run_seconds": [run["seconds"] for run in runs], "startup_s": startup,
             "warmup_s": warmup, "kv_cache_tokens": kv_cache_tokens}
 
@@ -108,13 +120,25 @@ def hf_config(model: str):
     return AutoConfig.for_model(model_types[preset["architectures"][0]], **preset)
 
 
-def run_transformers(model: str, requests, batch_size: int) -> dict:
+def hf_model(model: str):
+    """Transformers' model of the preset's architecture with random bf16 weights, and the
+    seconds its construction took."""
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(hf_config(model), dtype=torch.bfloat16).eval()
-    startup = time.perf_counter() - start
+    return hf, time.perf_counter() - start
+
+
+def release_cuda_memory() -> None:
+    """Hand a finished run's memory back, so the next mode of the process starts with all."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_transformers(model: str, requests, batch_size: int) -> dict:
+    hf, startup = hf_model(model)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
@@ -133,48 +157,119 @@ def run_transformers(model: str, requests, batch_size: int) -> dict:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del hf
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"generated": sum(n for _, n in requests), "seconds": seconds, "startup_s": startup}
+    release_cuda_memory()
+    return {"generated": output_tokens(requests), "seconds": seconds, "startup_s": startup}
+
+
+def run_transformers_continuous(model: str, requests) -> dict:
+    hf, build_s = hf_model(model)
+    row = continuous_batching_run(hf, requests, PRESETS[model]["vocab_size"])
+    row["startup_s"] += build_s
+    del hf
+    release_cuda_memory()
+    return row
+
+
+def continuous_batching_run(hf, requests, vocab: int) -> dict:
+    """Transformers' continuous batching on `hf`: start its manager (paged KV cache, CUDA
+    graphs forced on; it picks flash attention when installed), warm it up like the engines,
+    then time one run of the requests. `startup_s` is the manager's start (cache, graphs)."""
+    try:
+        from transformers.generation import ContinuousBatchingConfig, GenerationConfig
+    except ImportError as error:
+        import transformers
+
+        raise RuntimeError(f"{HF_CONTINUOUS} needs a transformers with ContinuousBatchingConfig "
+                           f"(written for 5.17 to 5.23); this one is {transformers.__version__}: "
+                           "pip install 'transformers>=5.17'") from error
+    start = time.perf_counter()
+    with hf.continuous_batching_context_manager(
+            generation_config=GenerationConfig(do_sample=False),
+            continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=True)) as manager:
+        startup = time.perf_counter() - start
+        warm_start = time.perf_counter()
+        continuous_batching_generate(manager, [(p, 2) for p, _ in same_lengths(requests, vocab, 1)])
+        warmup = time.perf_counter() - warm_start
+        # Results reach the host after their step's GPU work: no device sync is needed here.
+        start = time.perf_counter()
+        generated = continuous_batching_generate(manager, requests)
+        seconds = time.perf_counter() - start
+        varlen_graphs, decode_graphs = manager.continuous_batching_config.cuda_graph_booleans
+        return {"generated": generated, "seconds": seconds, "startup_s": startup,
+                "warmup_s": warmup, "attention": hf.config._attn_implementation,
+                "cuda_graphs": {"varlen": varlen_graphs, "decode": decode_graphs}}
+
+
+def continuous_batching_generate(manager, requests) -> int:
+    """Run the requests through a started transformers continuous-batching manager, each with
+    its own max_new_tokens and no EOS (-1 matches no token); the number of tokens generated."""
+    pending = {manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in requests}
+    if None in pending:
+        raise RuntimeError("transformers' continuous batching refused a request: see its log")
+    generated = 0
+    while pending:
+        result = manager.get_result(timeout=1)
+        if result is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching stopped with requests pending: "
+                               "see its log")
+        if result is None or not result.is_finished():
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
+        pending.discard(result.request_id)
+        generated += len(result.generated_tokens)
+    return generated
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
-    parser.add_argument("--modes", nargs="+", default=[*MODES, HF_MODE],
-                        choices=[*MODES, HF_MODE], help="what to run (default: all)")
+    parser.add_argument("--modes", nargs="+", default=[*MODES, HF_GENERATE, HF_CONTINUOUS],
+                        choices=[*MODES, HF_GENERATE, HF_CONTINUOUS],
+                        help="what to run (default: all)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per engine (the row is the median; default 3)")
-    parser.add_argument("--hf-batch", type=int, default=128, help="transformers batch size")
+    parser.add_argument("--hf-batch", type=int, default=128,
+                        help="transformers generate's batch size")
     parser.add_argument("--hf-requests", type=int, default=NUM_REQUESTS,
-                        help="transformers runs only the first N requests (default: all)")
+                        help="the transformers modes run only the first N requests (default: all)")
     args = parser.parse_args()
     require_cuda("bench_offline")
     rows = []
     for model in args.models:
         workload_requests = workload(PRESETS[model]["vocab_size"])
         for mode in args.modes:
+            requests = workload_requests if mode in MODES else workload_requests[: args.hf_requests]
             if mode in MODES:
-                requests = workload_requests
                 r = run_bcg(model, mode, requests, args.repeats)
-            else:
-                requests = workload_requests[: args.hf_requests]
+            elif mode == HF_GENERATE:
                 r = run_transformers(model, requests, args.hf_batch)
-            prompt_tokens = sum(len(p) for p, _ in requests)
-            total = prompt_tokens + r["generated"]
-            rows.append({"model": model, "mode": mode, **r, "requests": len(requests),
-                         "prompt_tokens": prompt_tokens,
-                         "tokens_per_s": total / r["seconds"],
-                         "output_tokens_per_s": r["generated"] / r["seconds"]})
+            else:
+                r = run_transformers_continuous(model, requests)
+            rows.append(throughput_row(model, mode, requests, r))
             print(f"\n{rows[-1]}", flush=True)  # a long run still leaves every finished mode
     print_table(f"offline throughput, {NUM_REQUESTS} requests, lengths uniform in [100, 1024]",
-                ["model", "mode", "tok/s (in+out)", "out tok/s", "run s", "start-up s"],
-                [[r["model"], r["mode"], r["tokens_per_s"], r["output_tokens_per_s"],
+                ["model", "mode", "requests", "tok/s (in+out)", "out tok/s", "run s",
+                 "start-up s"],
+                [[r["model"], r["mode"], r["requests"], r["tokens_per_s"], r["output_tok_s"],
                   r["seconds"], r["startup_s"]] for r in rows])
     for row in rows:  # rows outlive their run (merged_rows): each says where it ran
         row.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
     name = "bench_offline_" + "_".join(args.models)
     write_results(name, {"rows": merged_rows(name, rows)})
+
+
+def throughput_row(model: str, mode: str, requests, run: dict) -> dict:
+    """A mode's row: its run's facts and its rates over the run's wall time."""
+    asked = output_tokens(requests)
+    if run["generated"] != asked:  # the output rate counts max_tokens, so they must all run
+        raise RuntimeError(f"{mode} generated {run['generated']} tokens where the requests "
+                           f"asked for {asked}: its output tok/s would be wrong")
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    return {"model": model, "mode": mode, **run, "requests": len(requests),
+            "prompt_tokens": prompt_tokens,
+            "tokens_per_s": (prompt_tokens + run["generated"]) / run["seconds"],
+            "output_tok_s": asked / run["seconds"]}
 
 
 def merged_rows(name: str, rows: list[dict]) -> list[dict]:

@@ -1,0 +1,27 @@
+"""bench_decode's CPU-side logic: time per output token from two `generate` timings."""
+
+import importlib
+
+import pytest
+
+bench_decode = importlib.import_module("bench.bench_decode")
+
+
+def test_tpot_is_the_time_after_the_first_token_per_later_token(monkeypatch):
+    """T(1) = 50 ms to the first token, then 2 ms per token: tpot 2 ms, ttft 50 ms."""
+
+    def fake_generate_seconds(llm, batch, max_tokens, seed):
+        return 0.050 + 0.002 * (max_tokens - 1)
+
+    monkeypatch.setattr(bench_decode, "generate_seconds", fake_generate_seconds)
+    tpot_s, ttft_s = bench_decode.tpot(llm=None, batch=1)
+    assert tpot_s == pytest.approx(0.002)
+    assert ttft_s == pytest.approx(0.050)
+
+
+def test_prompts_of_other_seeds_share_no_prefix():
+    """Fresh prompts per call, so no timed prefill is shortened by a prefix-cache hit."""
+    first = bench_decode.prompts(8, "first 8 0")
+    whole = bench_decode.prompts(8, "whole 8 0")
+    assert all(len(p) == bench_decode.PROMPT_LEN for p in first + whole)
+    assert len({p[0] for p in first + whole}) == 16
