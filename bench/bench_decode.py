@@ -1,5 +1,6 @@
-"""Decode step time of the engine, eager vs one full CUDA graph per batch size, for the
-built-in SmolLM2-135M (GGUF weights) and Qwen3-0.6B / Qwen3-8B with dummy weights, bf16.
+"""Decode step time of the engine, eager vs one full CUDA graph per batch size (plain steps,
+and overlapped ones: `--overlap`), for the built-in SmolLM2-135M (GGUF weights) and
+Qwen3-0.6B / Qwen3-8B with dummy weights, bf16.
 
 Each case starts `batch` requests with 128-token prompts, runs the prefill, then times
 `DECODE_STEPS` engine steps in which every request decodes one token: tok/s counts the
@@ -49,9 +50,10 @@ MODELS = {  # name -> LLM arguments
     "qwen3-0.6b": {"model": "qwen3-0.6b", "load_format": "dummy"},
     "qwen3-8b": {"model": "qwen3-8b", "load_format": "dummy"},
 }
-MODES = {
-    "eager": {"decode_graph": "none", "prefill_graph": "none"},
-    "full graph": {"decode_graph": "full", "prefill_graph": "none"},
+MODES = {  # plain steps, then the default (full graphs, overlapped steps) beside them
+    "eager": {"decode_graph": "none", "prefill_graph": "none", "overlap": False},
+    "full graph": {"decode_graph": "full", "prefill_graph": "none", "overlap": False},
+    "full graph, overlapped": {"decode_graph": "full", "prefill_graph": "none", "overlap": True},
 }
 BATCH_SIZES = [1, 8, 64]
 PROMPT_LEN = 128
@@ -128,7 +130,8 @@ def main() -> None:
                 tpot_s, ttft_s = tpot(llm, batch)
                 rows.append([name, mode, batch, ms, batch / ms * 1e3, ms / roofline_ms,
                              tpot_s * 1e3, ttft_s * 1e3])
-                results.append({"model": name, "mode": mode, "batch_size": batch,
+                results.append({"model": name, "mode": mode, "overlap": mode_args["overlap"],
+                                "batch_size": batch,
                                 "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3,
                                 "roofline_ms": roofline_ms, "tpot_ms": tpot_s * 1e3,
                                 "ttft_ms": ttft_s * 1e3})

@@ -70,11 +70,12 @@ def same_lengths(requests, vocab: int, seed: int) -> list[tuple[list[int], int]]
     return [([rng.randrange(100, vocab) for _ in p], n) for p, n in requests]
 
 
-def run_bcg(model: str, mode: str, requests, repeats: int) -> dict:
-    """Start an engine, warm it up, then time `repeats` runs of the workload's lengths (the
-    first on the workload itself); the row is the median run."""
+def run_bcg(model: str, mode: str, requests, repeats: int, overlap: bool) -> dict:
+    """Start an engine (steps overlapped or not), warm it up, then time `repeats` runs of the
+    workload's lengths (the first on the workload itself); the row is the median run."""
     start = time.perf_counter()
-    llm = LLM(model=model, load_format="dummy", max_model_len=2048, **MODES[mode])
+    llm = LLM(model=model, load_format="dummy", max_model_len=2048, overlap=overlap,
+              **MODES[mode])
     startup = time.perf_counter() - start
     vocab = PRESETS[model]["vocab_size"]
     warm_start = time.perf_counter()
@@ -227,6 +228,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=[*MODES, HF_GENERATE, HF_CONTINUOUS],
                         choices=[*MODES, HF_GENERATE, HF_CONTINUOUS],
                         help="what to run (default: all)")
+    parser.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"],
+                        help="run each bcg mode with overlapped steps, plain ones, or both "
+                        "(default: both, side by side)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per engine (the row is the median; default 3)")
     parser.add_argument("--hf-batch", type=int, default=128,
@@ -240,45 +244,51 @@ def main() -> None:
         workload_requests = workload(PRESETS[model]["vocab_size"])
         for mode in args.modes:
             requests = workload_requests if mode in MODES else workload_requests[: args.hf_requests]
-            if mode in MODES:
-                r = run_bcg(model, mode, requests, args.repeats)
-            elif mode == HF_GENERATE:
-                r = run_transformers(model, requests, args.hf_batch)
-            else:
-                r = run_transformers_continuous(model, requests)
-            rows.append(throughput_row(model, mode, requests, r))
-            print(f"\n{rows[-1]}", flush=True)  # a long run still leaves every finished mode
+            for overlap in [o == "on" for o in args.overlap] if mode in MODES else [None]:
+                if mode in MODES:
+                    r = run_bcg(model, mode, requests, args.repeats, overlap)
+                elif mode == HF_GENERATE:
+                    r = run_transformers(model, requests, args.hf_batch)
+                else:
+                    r = run_transformers_continuous(model, requests)
+                rows.append(throughput_row(model, mode, requests, r, overlap))
+                print(f"\n{rows[-1]}", flush=True)  # a long run still leaves each finished mode
     print_table(f"offline throughput, {NUM_REQUESTS} requests, lengths uniform in [100, 1024]",
-                ["model", "mode", "requests", "tok/s (in+out)", "out tok/s", "run s",
+                ["model", "mode", "overlap", "requests", "tok/s (in+out)", "out tok/s", "run s",
                  "start-up s"],
-                [[r["model"], r["mode"], r["requests"], r["tokens_per_s"], r["output_tok_s"],
-                  r["seconds"], r["startup_s"]] for r in rows])
+                [[r["model"], r["mode"], {True: "on", False: "off"}.get(r["overlap"], "-"),
+                  r["requests"], r["tokens_per_s"], r["output_tok_s"], r["seconds"],
+                  r["startup_s"]] for r in rows])
     for row in rows:  # rows outlive their run (merged_rows): each says where it ran
         row.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
     name = "bench_offline_" + "_".join(args.models)
     write_results(name, {"rows": merged_rows(name, rows)})
 
 
-def throughput_row(model: str, mode: str, requests, run: dict) -> dict:
-    """A mode's row: its run's facts and its rates over the run's wall time."""
+def throughput_row(model: str, mode: str, requests, run: dict,
+                   overlap: bool | None = None) -> dict:
+    """A mode's row: its run's facts and its rates over the run's wall time; `overlap`
+    whether a bcg engine overlapped its steps (None for the transformers peers)."""
     asked = output_tokens(requests)
     if run["generated"] != asked:  # the output rate counts max_tokens, so they must all run
         raise RuntimeError(f"{mode} generated {run['generated']} tokens where the requests "
                            f"asked for {asked}: its output tok/s would be wrong")
     prompt_tokens = sum(len(p) for p, _ in requests)
-    return {"model": model, "mode": mode, **run, "requests": len(requests),
+    return {"model": model, "mode": mode, "overlap": overlap, **run, "requests": len(requests),
             "prompt_tokens": prompt_tokens,
             "tokens_per_s": (prompt_tokens + run["generated"]) / run["seconds"],
             "output_tok_s": asked / run["seconds"]}
 
 
 def merged_rows(name: str, rows: list[dict]) -> list[dict]:
-    """`rows` plus the rows of an earlier run of other (model, mode) pairs, so the modes of a
-    model can be run in separate processes (a whole model may not fit one time slot)."""
+    """`rows` plus the rows of an earlier run of other (model, mode, overlap) triples, so the
+    modes of a model can be run in separate processes (a whole model may not fit one time
+    slot)."""
     path = RESULTS_DIR / f"{name}.json"
     earlier = json.loads(path.read_text())["rows"] if path.exists() else []
-    fresh = {(r["model"], r["mode"]) for r in rows}
-    return [r for r in earlier if (r["model"], r["mode"]) not in fresh] + rows
+    key = lambda r: (r["model"], r["mode"], r["overlap"])  # noqa: E731
+    fresh = {key(r) for r in rows}
+    return [r for r in earlier if key(r) not in fresh] + rows
 
 
 if __name__ == "__main__":
