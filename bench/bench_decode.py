@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     hbm_bandwidth_gbs,
     print_table,
     require_cuda,
+    synchronize,
     write_results,
 )
 
@@ -79,11 +80,11 @@ def measure(engine: LLMEngine, batch: int) -> float:
         started.update(o.request_id for o in engine.step())
     for _ in range(WARMUP_STEPS):
         engine.step()
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(DECODE_STEPS):
         engine.step()
-    torch.cuda.synchronize()
+    synchronize()
     seconds = (time.perf_counter() - start) / DECODE_STEPS
     for request_id in ids:
         engine.abort_request(request_id)
@@ -94,7 +95,7 @@ def generate_seconds(llm: LLM, batch: int, max_tokens: int, seed: str) -> float:
     """Wall time of one `LLM.generate` of `batch` fresh prompts each producing `max_tokens`."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch_prompts = prompts(batch, seed)
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     llm.generate(batch_prompts, params, use_tqdm=False)
     return time.perf_counter() - start

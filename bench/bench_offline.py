@@ -24,17 +24,26 @@ Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, print_table, require_cuda, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    print_table,
+    require_cuda,
+    synchronize,
+    write_results,
+)
 
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.llm_engine import EngineStats  # noqa: E402
@@ -50,6 +59,7 @@ MODES = {
 }
 HF_GENERATE = "transformers generate"
 HF_CONTINUOUS = "transformers continuous batching"
+T = TypeVar("T")
 
 
 def workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -70,14 +80,20 @@ def same_lengths(requests, vocab: int, seed: int) -> list[tuple[list[int], int]]
     return [([rng.randrange(100, vocab) for _ in p], n) for p, n in requests]
 
 
-def run_bcg(model: str, mode: str, requests, repeats: int, overlap: bool) -> dict:
-    """Start an engine (steps overlapped or not), warm it up, then time `repeats` runs of the
-    workload's lengths (the first on the workload itself); the row is the median run."""
-    start = time.perf_counter()
-    llm = LLM(model=model, load_format="dummy", max_model_len=2048, overlap=overlap,
-              **MODES[mode])
-    startup = time.perf_counter() - start
-    vocab = PRESETS[model]["vocab_size"]
+def run_bcg(model: str, mode: str, requests, repeats: int, **engine_args) -> dict:
+    """Start an engine of `mode` (`engine_args`, e.g. overlap or tensor_parallel_size, added
+    to or replacing the mode's), warm it up, then time `repeats` runs of the workload's
+    lengths (the first on the workload itself); the row is the median run."""
+    args = {"model": model, "load_format": "dummy", "max_model_len": 2048, **MODES[mode],
+            **engine_args}
+    run, startup = on_engine(functools.partial(time_workload, requests=requests,
+                                               repeats=repeats), **args)
+    return {**run, "startup_s": startup}
+
+
+def time_workload(llm: LLM, requests, repeats: int) -> dict:
+    """`run_bcg`'s runs on a started engine: the warm-up, then the median of `repeats`."""
+    vocab = llm.engine.model_config.vocab_size
     warm_start = time.perf_counter()
     timed_run(llm, [(p, 2) for p, _ in same_lengths(requests, vocab, seed=1)])
     warmup = time.perf_counter() - warm_start
@@ -85,10 +101,24 @@ def run_bcg(model: str, mode: str, requests, repeats: int, overlap: bool) -> dic
             for r in range(repeats)]
     median = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
     kv_cache_tokens = llm.engine.runner.num_kv_blocks * llm.engine.config.block_size
-    del llm
-    release_cuda_memory()
-    return {**median, "run_seconds": [run["seconds"] for run in runs], "startup_s": startup,
-            "warmup_s": warmup, "kv_cache_tokens": kv_cache_tokens}
+    return {**median, "run_seconds": [run["seconds"] for run in runs], "warmup_s": warmup,
+            "kv_cache_tokens": kv_cache_tokens}
+
+
+def on_engine(measure: Callable[[LLM], T], **llm_args) -> tuple[T, float]:
+    """`measure(llm)` on a new `LLM(**llm_args)`, and the seconds the engine took to start.
+    The engine is closed (its tensor-parallel workers end: only one group can exist at a
+    time) and its memory handed back before this returns, so the next engine of the process
+    starts with the whole GPU."""
+    start = time.perf_counter()
+    llm = LLM(**llm_args)
+    startup = time.perf_counter() - start
+    try:
+        return measure(llm), startup
+    finally:
+        llm.close()
+        del llm
+        release_cuda_memory()
 
 
 def timed_run(llm: LLM, requests) -> dict:
@@ -100,7 +130,7 @@ def timed_run(llm: LLM, requests) -> dict:
     engine.stats = EngineStats()
     engine.runner.forward_counts.clear()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -133,7 +163,9 @@ def hf_model(model: str):
 
 
 def release_cuda_memory() -> None:
-    """Hand a finished run's memory back, so the next mode of the process starts with all."""
+    """Hand a finished run's memory back, so the next mode of the process starts with all
+    (compiled code, a piecewise engine's, holds on to its model until dynamo is reset)."""
+    torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -246,7 +278,7 @@ def main() -> None:
             requests = workload_requests if mode in MODES else workload_requests[: args.hf_requests]
             for overlap in [o == "on" for o in args.overlap] if mode in MODES else [None]:
                 if mode in MODES:
-                    r = run_bcg(model, mode, requests, args.repeats, overlap)
+                    r = run_bcg(model, mode, requests, args.repeats, overlap=overlap)
                 elif mode == HF_GENERATE:
                     r = run_transformers(model, requests, args.hf_batch)
                 else:
@@ -280,16 +312,19 @@ def throughput_row(model: str, mode: str, requests, run: dict,
             "output_tok_s": asked / run["seconds"]}
 
 
-def merged_rows(name: str, rows: list[dict]) -> list[dict]:
-    """`rows` plus the rows of an earlier run of other (model, mode, overlap) triples, so the
-    modes of a model can be run in separate processes (a whole model may not fit one time
-    slot)."""
+def offline_key(row: dict) -> tuple:
+    return row["model"], row["mode"], row["overlap"]
+
+
+def merged_rows(name: str, rows: list[dict], key: Callable[[dict], tuple] = offline_key
+                ) -> list[dict]:
+    """`rows` plus the rows of an earlier run whose `key` (default: model, mode, overlap) no
+    row of `rows` has, so the modes of a model can be run in separate processes (a whole
+    model may not fit one time slot)."""
     path = RESULTS_DIR / f"{name}.json"
     earlier = json.loads(path.read_text())["rows"] if path.exists() else []
-    key = lambda r: (r["model"], r["mode"], r["overlap"])  # noqa: E731
     fresh = {key(r) for r in rows}
     return [r for r in earlier if key(r) not in fresh] + rows
-
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from bcg.layers.embedding import Embedding, LMHead
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -19,6 +21,13 @@ def require_cuda(name: str) -> None:
     if not torch.cuda.is_available():
         print(f"{name}: needs a CUDA device; none found, nothing measured.")
         sys.exit(0)
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work; a no-op without CUDA, so that a bench's measurement
+    code also runs (untimed in any useful sense) on the CPU, as its tests do."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def time_per_call_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -82,9 +91,9 @@ def matmul_tflops(size: int = 8192) -> float:
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one forward reads: every parameter except an untied input embedding,
-    of which a step gathers only a few rows."""
-    embedding = model.get_submodule("model.embed_tokens").weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding) + (
-        embedding.numel() * embedding.element_size() if model.config.tie_word_embeddings else 0
-    )
+    """Bytes of weights one forward reads (this rank's, under tensor parallelism): every
+    parameter except an untied input embedding, of which a step gathers only a few rows."""
+    head = next(m.weight for m in model.modules() if isinstance(m, LMHead))
+    gathered = {id(m.weight) for m in model.modules()
+                if isinstance(m, Embedding) and m.weight is not head}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in gathered)

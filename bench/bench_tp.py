@@ -1,0 +1,49 @@
+"""Tensor parallelism on dummy qwen3-8b, bf16: tp1 and tp2 side by side in one run (2 GPUs).
+
+Rows, each measured as `bench/model_suite.py` describes: decode engine step at batch 1, 8
+and 64 and bench_offline's output tok/s, at tp1 and tp2; prefill rows (eager, breakable,
+piecewise) at tp2. Targets (the tensor-parallelism issue): tp2's decode step at batch 1 at
+most 0.62x tp1's; tp2's output tok/s at least 1.5x tp1's; breakable ≤ piecewise on every
+prefill row. JSON: bench/results/bench_tp.json (rows carry `config` and `tp`).
+Run: python bench/bench_tp.py [--configs tp1 tp2] [--parts prefill decode offline]
+(each part or configuration can run alone; the JSON keeps the others' earlier rows).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_suite import (  # noqa: E402
+    Setup,
+    bench_main,
+    print_decode_table,
+    print_offline_table,
+    print_prefill_table,
+    print_target,
+    ratio,
+    value,
+)
+
+MODEL = "qwen3-8b"
+SETUPS = {
+    "tp1": Setup({"model": MODEL}, parts=("decode", "offline")),
+    "tp2": Setup({"model": MODEL, "tensor_parallel_size": 2}),
+}
+
+
+def report(rows: list[dict]) -> None:
+    print_prefill_table(rows)
+    print_decode_table(rows)
+    print_offline_table(rows)
+    print_target("tp2 / tp1 decode step at batch 1",
+                 ratio(value(rows, "tp2", "decode", "ms_per_step", batch_size=1),
+                       value(rows, "tp1", "decode", "ms_per_step", batch_size=1)), "≤ 0.62")
+    print_target("tp2 / tp1 output tok/s",
+                 ratio(value(rows, "tp2", "offline", "output_tok_s"),
+                       value(rows, "tp1", "offline", "output_tok_s")), "≥ 1.5")
+
+
+if __name__ == "__main__":  # the tp2 engine spawns its worker, which imports this module
+    bench_main("bench_tp", __doc__, SETUPS, {2: ["tp1", "tp2"]}, report, repeats=3)

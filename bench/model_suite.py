@@ -1,0 +1,359 @@
+"""Measurements shared by the model benches (`bench_tp`, `bench_moe`, `bench_hybrid`), each
+through the engine's public API at any tensor-parallel size. Under tensor parallelism rank 0
+spawns the other ranks, which follow its steps, so every timed step is an
+`LLMEngine.step()`: a forward of rank 0 alone would wait for collectives no rank joins.
+
+- prefill: bench_prefill's rows (`batch` fresh prompts sharing `tokens` new tokens, no
+  prefix-cache hit), each the wall time of the one engine step that prefills them all and
+  samples their first token (scheduling, batch building, the stack, the head and sampling),
+  per graph mode: one engine per mode (`prefill_graph=...`, token buckets equal to the
+  measured token counts, no decode graphs, steps not overlapped so that a step's time is all
+  of it). Engines cannot run side by side under tensor parallelism (one process group), so
+  the interleaving is over the rows of one engine: `trials` rounds, each timing every row in
+  turn (the mean of a few steps), after one untimed round (Triton and Inductor compile on
+  first use); a row is the median round.
+- decode: bench_decode's `measure` (every request decoding, ms per engine step) at batch
+  sizes 1, 8, 64, with weight-read floors: bytes one forward reads on a rank / HBM bandwidth.
+- offline: bench_offline's workload through `LLM.generate` (its `run_bcg`, default graphs),
+  output tok/s; `--offline-requests N` runs only its first N requests (the row is `scaled`).
+
+Engines run one at a time, each closed and its memory handed back before the next starts
+(bench_offline's `on_engine`). A bench names its configurations (`Setup`) and calls
+`bench_main`; rows of an earlier run of other configurations or parts are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import measure  # noqa: E402
+from bench_offline import (  # noqa: E402
+    NUM_REQUESTS,
+    merged_rows,
+    on_engine,
+    release_cuda_memory,
+    run_bcg,
+    same_lengths,
+    throughput_row,
+    workload,
+)
+from common import (  # noqa: E402
+    decode_weight_bytes,
+    hbm_bandwidth_gbs,
+    print_table,
+    require_cuda,
+    synchronize,
+    write_results,
+)
+
+from bcg.config import EngineConfig  # noqa: E402
+from bcg.engine.llm import LLM  # noqa: E402
+from bcg.engine.llm_engine import LLMEngine  # noqa: E402
+from bcg.engine.sampling_params import SamplingParams  # noqa: E402
+from bcg.loader.model_source import resolve_model  # noqa: E402
+
+PARTS = ("prefill", "decode", "offline")
+PREFILL_MODES = {"eager": "none", "breakable": "breakable", "piecewise": "piecewise"}  # -> flag
+PREFILL_SHAPES = tuple((batch, tokens) for batch in (1, 4, 16)
+                       for tokens in (16, 64, 256, 1024, 4096))
+DECODE_BATCH_SIZES = (1, 8, 64)
+OFFLINE_MODE = "decode + breakable"  # the engine's default graphs
+WEIGHT_FLOOR = {"floor": decode_weight_bytes}  # floor name -> bytes a forward reads on a rank
+FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+Floors = Mapping[str, Callable[[torch.nn.Module], int]]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A configuration of a model: its engine arguments (`LLM`'s, the model included) and
+    the parts measured on it."""
+
+    engine_args: dict
+    parts: tuple[str, ...] = PARTS
+
+    @property
+    def gpus(self) -> int:
+        return self.engine_args.get("tensor_parallel_size", 1)
+
+
+def prefill_rows(engine_args: dict, shapes: Iterable[tuple[int, int]] = PREFILL_SHAPES,
+                 modes: Iterable[str] = PREFILL_MODES, trials: int = 5) -> list[dict]:
+    """A row per (mode, batch, tokens): ms of the engine step that prefills `batch` fresh
+    prompts of `tokens // batch` tokens each, with the mode engine's start-up facts."""
+    shapes = list(shapes)
+    rows = []
+    for mode in modes:
+        timings, startup = on_engine(
+            functools.partial(time_prefills, shapes=shapes, trials=trials),
+            **prefill_engine_args(engine_args, mode, shapes))
+        rows += [{"part": "prefill", "mode": mode, **row, "startup_s": startup}
+                 for row in timings]
+    return rows
+
+
+def prefill_engine_args(engine_args: dict, mode: str, shapes: list[tuple[int, int]]) -> dict:
+    """An engine that prefills each shape in one step through `mode`'s graphs (a bucket per
+    token count, so no row pays for padding)."""
+    tokens = sorted({t for _, t in shapes})
+    return {"max_model_len": max(t // b for b, t in shapes) + 1,
+            "max_num_seqs": max(b for b, _ in shapes),
+            "max_num_batched_tokens": tokens[-1],
+            "prefill_graph_tokens": ",".join(map(str, tokens)),
+            **engine_args,
+            # Decode graphs would take batches of one-token prompts: prefills stay prefills.
+            "prefill_graph": PREFILL_MODES[mode], "decode_graph": "none", "overlap": False}
+
+
+def time_prefills(llm: LLM, shapes: list[tuple[int, int]], trials: int) -> list[dict]:
+    engine, seeds = llm.engine, itertools.count()
+    paths = {shape: Counter() for shape in shapes}  # which forward served the timed steps
+    for batch, tokens in shapes:
+        prefill_step_ms(engine, batch, tokens, next(seeds), Counter())
+    rounds = {shape: [] for shape in shapes}
+    for _ in range(trials):
+        for batch, tokens in shapes:
+            steps = [prefill_step_ms(engine, batch, tokens, next(seeds), paths[batch, tokens])
+                     for _ in range(prefill_iters(tokens))]
+            rounds[batch, tokens].append(statistics.fmean(steps))
+    graphs = next((r for r in engine.runner.graph_runners if r.kind == "prefill"), None)
+    return [{"batch": batch, "tokens": tokens // batch * batch,
+             "ms": statistics.median(rounds[batch, tokens]),
+             "forwards": dict(paths[batch, tokens]),
+             "capture_s": graphs.capture_seconds if graphs else None,
+             "pool_gib": graphs.pool_bytes / 2**30 if graphs else None}
+            for batch, tokens in shapes]
+
+
+def prefill_iters(tokens: int) -> int:
+    """Steps per row and round: more where a step is short and noisy."""
+    return max(1, min(10, 1024 // tokens))
+
+
+def prefill_step_ms(engine: LLMEngine, batch: int, tokens: int, seed: int,
+                    paths: Counter) -> float:
+    """Wall time of the step that prefills `batch` new prompts (random tokens from `seed`, so
+    no prefix-cache hit) and samples their one token; `paths` counts the forwards it ran."""
+    assert not engine.overlap, "an overlapped step returns before its work is done"
+    vocab = engine.model_config.vocab_size
+    length = tokens // batch
+    prompts = [p for p, _ in same_lengths([([0] * length, 1)] * batch, vocab, seed)]
+    engine.add_requests(prompts, [FIRST_TOKEN] * batch)
+    before = Counter(engine.runner.forward_counts)
+    synchronize()
+    start = time.perf_counter()
+    outputs = engine.step()
+    synchronize()
+    ms = (time.perf_counter() - start) * 1e3
+    paths.update(engine.runner.forward_counts - before)
+    if (len(outputs) != batch or engine.has_unfinished_requests()
+            or any(o.num_cached_tokens for o in outputs)):
+        raise RuntimeError(f"the prefill of {batch} x {length} tokens was not one step of "
+                           f"fresh prompts ({len(outputs)} outputs, cached tokens "
+                           f"{[o.num_cached_tokens for o in outputs]}): its time is no row")
+    return ms
+
+
+def decode_rows(engine_args: dict, batch_sizes: Iterable[int] = DECODE_BATCH_SIZES,
+                hbm_gbs: float | None = None, floors: Floors = WEIGHT_FLOOR) -> list[dict]:
+    """A row per batch size: ms per engine step with every request decoding (bench_decode's
+    `measure`), and per floor `{name}_bytes` (rank 0's weights a forward reads); with
+    `hbm_gbs`, `{name}_ms` (those bytes at that bandwidth) and `x_{name}` (ms / floor)."""
+    batch_sizes = list(batch_sizes)
+    args = {"max_model_len": 1024, "max_num_seqs": max(batch_sizes),
+            "decode_graph_bs": ",".join(map(str, batch_sizes)), "prefill_graph": "none",
+            **engine_args}
+    rows, _ = on_engine(functools.partial(time_decodes, batch_sizes=batch_sizes,
+                                          hbm_gbs=hbm_gbs, floors=floors), **args)
+    return rows
+
+
+def time_decodes(llm: LLM, batch_sizes: list[int], hbm_gbs: float | None,
+                 floors: Floors) -> list[dict]:
+    floor_bytes = {name: count(llm.engine.runner.model) for name, count in floors.items()}
+    rows = []
+    for batch in batch_sizes:
+        ms = measure(llm.engine, batch) * 1e3
+        row = {"part": "decode", "batch_size": batch, "ms_per_step": ms,
+               "tokens_per_s": batch / ms * 1e3}
+        for name, num_bytes in floor_bytes.items():
+            row[f"{name}_bytes"] = num_bytes
+            if hbm_gbs:
+                row[f"{name}_ms"] = num_bytes / (hbm_gbs * 1e9) * 1e3
+                row[f"x_{name}"] = ms / row[f"{name}_ms"]
+        rows.append(row)
+    return rows
+
+
+def offline_row(engine_args: dict, num_requests: int = NUM_REQUESTS, repeats: int = 1) -> dict:
+    """bench_offline's row for the first `num_requests` requests of its workload, on an
+    engine with the default graphs (`engine_args` may change them)."""
+    model = engine_args["model"]
+    vocab = resolve_model(model, dummy_weights=True).config.vocab_size
+    requests = workload(vocab)[:num_requests]
+    overlap = EngineConfig(**engine_args).overlaps_steps
+    run = run_bcg(model, OFFLINE_MODE, requests, repeats,
+                  **{k: v for k, v in engine_args.items() if k != "model"})
+    return {"part": "offline", **throughput_row(model, OFFLINE_MODE, requests, run, overlap),
+            "scaled": num_requests < NUM_REQUESTS}
+
+
+def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float | None,
+                  offline_requests: int = NUM_REQUESTS, repeats: int = 1,
+                  floors: Floors = WEIGHT_FLOOR) -> list[dict]:
+    """The rows of `parts` (those the setup has) on dummy weights, each carrying the
+    configuration's facts."""
+    args = {"load_format": "dummy", **setup.engine_args}
+    parts = [part for part in parts if part in setup.parts]
+    rows = []
+    if "prefill" in parts:
+        rows += prefill_rows(args)
+    if "decode" in parts:
+        rows += decode_rows(args, hbm_gbs=hbm_gbs, floors=floors)
+    if "offline" in parts:
+        rows.append(offline_row(args, offline_requests, repeats))
+    config = EngineConfig(**args)
+    facts = {"config": name, "model": config.model, "tp": config.tensor_parallel_size,
+             "expert_parallel": config.enable_expert_parallel,
+             "ep_dispatch": config.ep_dispatch if config.enable_expert_parallel else None,
+             "decode_graph": config.decode_graph, "device": device_name(config),
+             "torch": torch.__version__}
+    return [{**facts, **row} for row in rows]
+
+
+def device_name(config: EngineConfig) -> str:
+    device = config.torch_device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def row_key(row: dict) -> tuple:
+    """A run of some configurations or parts replaces only those of the earlier results."""
+    return row["config"], row["part"]
+
+
+def bench_main(name: str, doc: str, setups: Mapping[str, Setup],
+               defaults: Mapping[int, list[str]], report: Callable[[list[dict]], None],
+               repeats: int = 1, floors: Floors = WEIGHT_FLOOR) -> None:
+    """A model bench's command line: measure the chosen configurations (`defaults`: the
+    configurations run by default when at least that many GPUs are visible, the largest such
+    count chosen), writing `bench/results/{name}.json` after each, then `report` this
+    device's rows (earlier runs' included)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", choices=list(setups),
+                        help="default: " + "; ".join(f"{' '.join(c)} with {n}+ GPUs"
+                                                     for n, c in sorted(defaults.items())))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="what to measure (default: all)")
+    parser.add_argument("--offline-requests", type=int, default=NUM_REQUESTS,
+                        help="run only the first N requests of the offline workload "
+                        f"(default: all {NUM_REQUESTS}; the row is marked scaled)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"timed offline runs per engine, the median kept (default {repeats})")
+    args = parser.parse_args()
+    if not 1 <= args.offline_requests <= NUM_REQUESTS:
+        parser.error(f"--offline-requests must be in [1, {NUM_REQUESTS}]")
+    require_cuda(name)
+    configs = args.configs or default_configs(name, defaults, torch.cuda.device_count())
+    require_gpus(name, {config: setups[config] for config in configs})
+    hbm_gbs = hbm_bandwidth_gbs()
+    release_cuda_memory()
+    rows: list[dict] = []
+    for config in configs:
+        rows += measure_setup(config, setups[config], args.parts, hbm_gbs,
+                              args.offline_requests, args.repeats, floors)
+        merged = merged_rows(name, rows, row_key)
+        write_results(name, {"hbm_gbs": hbm_gbs, "rows": merged})  # a cut-off run keeps these
+    device = torch.cuda.get_device_name()
+    report([row for row in merged if row["device"] == device])
+
+
+def default_configs(name: str, defaults: Mapping[int, list[str]], visible: int) -> list[str]:
+    fitting = [count for count in defaults if count <= visible]
+    if not fitting:
+        raise SystemExit(f"{name}: needs {min(defaults)} GPUs, {visible} visible")
+    return defaults[max(fitting)]
+
+
+def require_gpus(name: str, setups: Mapping[str, Setup]) -> None:
+    """Refuse, before any engine starts, configurations that need more GPUs than visible."""
+    visible = torch.cuda.device_count()
+    too_large = [f"{config} ({setup.gpus})" for config, setup in setups.items()
+                 if setup.gpus > visible]
+    if too_large:
+        raise SystemExit(f"{name}: {', '.join(too_large)} need more GPUs than the {visible} "
+                         "visible: run them on a machine with as many (or check "
+                         "CUDA_VISIBLE_DEVICES), or choose others with --configs")
+
+
+def rows_of(rows: list[dict], part: str) -> list[dict]:
+    return [row for row in rows if row["part"] == part]
+
+
+def value(rows: list[dict], config: str, part: str, field: str, **match) -> float | None:
+    """`field` of `config`'s row of `part` matching `match`, or None if it was not measured."""
+    for row in rows:
+        if (row["config"], row["part"]) == (config, part) and all(
+                row.get(k) == v for k, v in match.items()):
+            return row.get(field)
+    return None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def print_prefill_table(rows: list[dict]) -> None:
+    """Every prefill row, the modes side by side, with eager / breakable and breakable /
+    piecewise (the targets: breakable ≤ piecewise everywhere)."""
+    prefill = rows_of(rows, "prefill")
+    keys = list(dict.fromkeys((r["config"], r["batch"], r["tokens"]) for r in prefill))
+    table = []
+    for config, batch, tokens in keys:
+        ms = {mode: value(prefill, config, "prefill", "ms", mode=mode, batch=batch,
+                          tokens=tokens) for mode in PREFILL_MODES}
+        table.append([config, batch, tokens, *[m if m is not None else "-" for m in ms.values()],
+                      shown(ratio(ms["eager"], ms["breakable"])),
+                      shown(ratio(ms["breakable"], ms["piecewise"]))])
+    print_table("prefill engine step, ms (median of interleaved rounds)",
+                ["config", "batch", "tokens", *PREFILL_MODES, "eager/breakable",
+                 "breakable/piecewise"], table)
+    slower = [f"{c} {b}x{t}" for c, b, t, *_, over_piecewise in table
+              if over_piecewise != "-" and over_piecewise > 1]
+    print(f"breakable ≤ piecewise: {'every row' if not slower else 'not on ' + ', '.join(slower)}")
+
+
+def print_decode_table(rows: list[dict], floor: str = "floor") -> None:
+    """Every decode row with the named floor (`{floor}_ms`, `x_{floor}`)."""
+    print_table(f"decode engine step (x {floor} = ms / {floor}_ms)",
+                ["config", "batch", "ms/step", "tok/s", f"{floor} ms", f"x {floor}"],
+                [[r["config"], r["batch_size"], r["ms_per_step"], r["tokens_per_s"],
+                  shown(r.get(f"{floor}_ms")), shown(r.get(f"x_{floor}"))]
+                 for r in rows_of(rows, "decode")])
+
+
+def print_offline_table(rows: list[dict]) -> None:
+    print_table("offline throughput (bench_offline's workload, default graphs)",
+                ["config", "requests", "out tok/s", "tok/s (in+out)", "run s", "start-up s"],
+                [[r["config"], f"{r['requests']}{' (scaled)' if r['scaled'] else ''}",
+                  r["output_tok_s"], r["tokens_per_s"], r["seconds"], r["startup_s"]]
+                 for r in rows_of(rows, "offline")])
+
+
+def print_target(label: str, got: float | None, target: str) -> None:
+    print(f"{label}: {'not measured' if got is None else f'{got:.3f}'} (target {target})")
+
+
+def shown(number: float | None) -> float | str:
+    return "-" if number is None else number

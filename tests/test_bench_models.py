@@ -1,0 +1,102 @@
+"""The model benches' measurements (bench/model_suite.py) on the CPU, through the engine on
+tiny random models: every code path runs and yields rows with the expected fields (their
+times mean nothing here). Tensor parallel sizes above 1 run only on GPUs (bench_tp,
+bench_moe, bench_hybrid)."""
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from bcg.layers.embedding import Embedding, LMHead
+from tests.hf_tiny import save_tiny_model
+
+model_suite = importlib.import_module("bench.model_suite")
+bench_moe = importlib.import_module("bench.bench_moe")
+common = importlib.import_module("common")  # the name the benches import it by
+
+# A vocabulary above bench_decode's prompt tokens (up to 5100), contexts of bench_offline's.
+OVERRIDES = dict(vocab_size=8192, max_position_embeddings=4096)
+ENGINE = dict(device="cpu", kv_cache_tokens=16384)
+
+
+def engine_args(tmp_path_factory, arch: str) -> dict:
+    folder = tmp_path_factory.mktemp(arch)
+    save_tiny_model(arch, folder, **OVERRIDES)
+    return {"model": str(folder), **ENGINE}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return engine_args(tmp_path_factory, "qwen3")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "nemotron_h"])
+def test_prefill_rows_time_one_step_per_row_and_mode(tmp_path_factory, arch):
+    """A row per (mode, batch, tokens), each step a prefill of fresh prompts (the function
+    raises otherwise); on the CPU every mode runs eagerly. The hybrid's prompts each take a
+    state slot."""
+    shapes, trials = [(1, 16), (2, 32)], 2
+    rows = model_suite.prefill_rows(engine_args(tmp_path_factory, arch), shapes,
+                                    modes=("eager", "breakable"), trials=trials)
+    assert [(r["mode"], r["batch"], r["tokens"]) for r in rows] == [
+        (mode, b, t) for mode in ("eager", "breakable") for b, t in shapes]
+    for row in rows:
+        assert row["part"] == "prefill" and row["ms"] > 0 and row["startup_s"] > 0
+        steps = trials * model_suite.prefill_iters(row["tokens"])
+        assert row["forwards"] == {"eager": steps}
+        assert row["capture_s"] is None and row["pool_gib"] is None
+
+
+def test_a_setup_measures_decode_and_offline_with_its_facts(qwen3):
+    """Decode at bench_decode's batch sizes with the weight-read floor; bench_offline's first
+    request alone, marked scaled; each row names its configuration."""
+    setup = model_suite.Setup(qwen3, parts=("decode", "offline"))
+    rows = model_suite.measure_setup("tp1", setup, model_suite.PARTS, hbm_gbs=100.0,
+                                     offline_requests=1)
+    decode, offline = rows[:-1], rows[-1]
+    assert [r["batch_size"] for r in decode] == list(model_suite.DECODE_BATCH_SIZES)
+    for row in rows:
+        assert (row["config"], row["tp"], row["device"]) == ("tp1", 1, "cpu")
+        assert row["model"] == qwen3["model"] and row["expert_parallel"] is False
+    for row in decode:
+        assert row["part"] == "decode" and row["ms_per_step"] > 0
+        assert row["floor_ms"] == pytest.approx(row["floor_bytes"] / 100e9 * 1e3)
+        assert row["x_floor"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
+    assert offline["part"] == "offline" and offline["requests"] == 1 and offline["scaled"]
+    assert offline["output_tok_s"] > 0 and offline["overlap"] is False
+
+
+def test_moe_floor_reads_top_k_of_the_experts(tmp_path_factory):
+    """The tiny MoE has 2 sparse layers of 4 experts (gate/up 2x32x64, down 64x32, fp32),
+    top-2: a token reads half of each layer's experts."""
+    rows = model_suite.decode_rows(engine_args(tmp_path_factory, "qwen3_moe"), [1],
+                                   floors={"floor": common.decode_weight_bytes,
+                                           "moe_floor": bench_moe.active_weight_bytes})
+    unread_per_layer = 4 * (2 * 32 * 64 + 64 * 32) * 4 // 2
+    assert rows[0]["floor_bytes"] - rows[0]["moe_floor_bytes"] == 2 * unread_per_layer
+    assert "moe_floor_ms" not in rows[0]  # no bandwidth given
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_weight_bytes_skips_only_an_untied_embedding(tied):
+    """Found by type, whatever the model names it (NemotronH: `embeddings`)."""
+    model = torch.nn.Module()
+    model.embeddings, model.proj = Embedding(10, 4), torch.nn.Linear(4, 4)
+    model.lm_head = LMHead(10, 4)
+    if tied:
+        model.lm_head.tie_to(model.embeddings)
+    assert common.decode_weight_bytes(model) == (4 * 4 + 4 + 10 * 4) * 4
+
+
+def test_rows_of_a_run_replace_only_their_configs_parts(tmp_path, monkeypatch):
+    bench_offline = importlib.import_module("bench_offline")
+    monkeypatch.setattr(bench_offline, "RESULTS_DIR", tmp_path)
+    earlier = [{"config": c, "part": p, "run": 1} for c in ("tp1", "tp2")
+               for p in ("decode", "offline")]
+    (tmp_path / "bench_x.json").write_text(json.dumps({"rows": earlier}))
+    fresh = [{"config": "tp2", "part": "decode", "run": 2}]
+    merged = bench_offline.merged_rows("bench_x", fresh, model_suite.row_key)
+    assert [(r["config"], r["part"], r["run"]) for r in merged] == [
+        ("tp1", "decode", 1), ("tp1", "offline", 1), ("tp2", "offline", 1), ("tp2", "decode", 2)]
