@@ -26,17 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model_suite as suite  # noqa: E402
 from common import decode_weight_bytes  # noqa: E402
-from model_suite import (  # noqa: E402
-    Setup,
-    bench_main,
-    print_decode_table,
-    print_offline_table,
-    print_prefill_table,
-    print_target,
-    ratio,
-    value,
-)
 
 from bcg.models.qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
@@ -44,11 +35,11 @@ MODEL = "qwen3-30b-a3b"
 TWO_RANKS = {"model": MODEL, "tensor_parallel_size": 2}
 EXPERT_PARALLEL = {**TWO_RANKS, "enable_expert_parallel": True}
 SETUPS = {
-    "tp1": Setup({"model": MODEL}),
-    "tp2": Setup(TWO_RANKS),
-    "ep2-allreduce": Setup({**EXPERT_PARALLEL, "ep_dispatch": "allreduce"}),
-    "ep2-alltoall": Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall",
-                           "decode_graph": "breakable"}),
+    "tp1": suite.Setup({"model": MODEL}),
+    "tp2": suite.Setup(TWO_RANKS),
+    "ep2-allreduce": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "allreduce"}),
+    "ep2-alltoall": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall",
+                                 "decode_graph": "breakable"}),
 }
 
 
@@ -67,18 +58,16 @@ def active_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def report(rows: list[dict]) -> None:
-    print_prefill_table(rows)
-    print_decode_table(rows, "moe_floor")
-    print_offline_table(rows)
+    suite.print_tables(rows, "moe_floor")
     for config in SETUPS:
-        step_ms = value(rows, config, "decode", "ms_per_step", batch_size=1)
+        step_ms = suite.value(rows, config, "decode", "ms_per_step", batch_size=1)
+        floor_ms = suite.value(rows, config, "decode", "moe_floor_ms", batch_size=1)
         if step_ms is not None:
-            print_target(f"{config}: moe_floor_ms / decode step at batch 1",
-                         ratio(value(rows, config, "decode", "moe_floor_ms", batch_size=1),
-                               step_ms), "≥ 0.70")
+            suite.print_target(f"{config}: moe_floor_ms / decode step at batch 1",
+                               suite.ratio(floor_ms, step_ms), "≥ 0.70")
 
 
 if __name__ == "__main__":  # two-GPU engines spawn a worker, which imports this module
-    bench_main("bench_moe", __doc__, SETUPS,
-               {1: ["tp1"], 2: ["tp2", "ep2-allreduce", "ep2-alltoall"]}, report,
-               floors={"floor": decode_weight_bytes, "moe_floor": active_weight_bytes})
+    suite.bench_main("bench_moe", __doc__, SETUPS,
+                     {1: ["tp1"], 2: ["tp2", "ep2-allreduce", "ep2-alltoall"]}, report,
+                     floors={"floor": decode_weight_bytes, "moe_floor": active_weight_bytes})

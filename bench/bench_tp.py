@@ -15,35 +15,22 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_suite import (  # noqa: E402
-    Setup,
-    bench_main,
-    print_decode_table,
-    print_offline_table,
-    print_prefill_table,
-    print_target,
-    ratio,
-    value,
-)
+import model_suite as suite  # noqa: E402
 
 MODEL = "qwen3-8b"
 SETUPS = {
-    "tp1": Setup({"model": MODEL}, parts=("decode", "offline")),
-    "tp2": Setup({"model": MODEL, "tensor_parallel_size": 2}),
+    "tp1": suite.Setup({"model": MODEL}, parts=("decode", "offline")),
+    "tp2": suite.Setup({"model": MODEL, "tensor_parallel_size": 2}),
 }
 
 
 def report(rows: list[dict]) -> None:
-    print_prefill_table(rows)
-    print_decode_table(rows)
-    print_offline_table(rows)
-    print_target("tp2 / tp1 decode step at batch 1",
-                 ratio(value(rows, "tp2", "decode", "ms_per_step", batch_size=1),
-                       value(rows, "tp1", "decode", "ms_per_step", batch_size=1)), "≤ 0.62")
-    print_target("tp2 / tp1 output tok/s",
-                 ratio(value(rows, "tp2", "offline", "output_tok_s"),
-                       value(rows, "tp1", "offline", "output_tok_s")), "≥ 1.5")
+    suite.print_tables(rows)
+    suite.print_target("tp2 / tp1 decode step at batch 1", suite.config_ratio(
+        rows, "tp2", "tp1", "decode", "ms_per_step", batch_size=1), "≤ 0.62")
+    suite.print_target("tp2 / tp1 output tok/s", suite.config_ratio(
+        rows, "tp2", "tp1", "offline", "output_tok_s"), "≥ 1.5")
 
 
 if __name__ == "__main__":  # the tp2 engine spawns its worker, which imports this module
-    bench_main("bench_tp", __doc__, SETUPS, {2: ["tp1", "tp2"]}, report, repeats=3)
+    suite.bench_main("bench_tp", __doc__, SETUPS, {2: ["tp1", "tp2"]}, report, repeats=3)

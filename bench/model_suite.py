@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from bench_decode import measure  # noqa: E402
 from bench_offline import (  # noqa: E402
     NUM_REQUESTS,
@@ -48,14 +49,6 @@ from bench_offline import (  # noqa: E402
     same_lengths,
     throughput_row,
     workload,
-)
-from common import (  # noqa: E402
-    decode_weight_bytes,
-    hbm_bandwidth_gbs,
-    print_table,
-    require_cuda,
-    synchronize,
-    write_results,
 )
 
 from bcg.config import EngineConfig  # noqa: E402
@@ -70,7 +63,8 @@ PREFILL_SHAPES = tuple((batch, tokens) for batch in (1, 4, 16)
                        for tokens in (16, 64, 256, 1024, 4096))
 DECODE_BATCH_SIZES = (1, 8, 64)
 OFFLINE_MODE = "decode + breakable"  # the engine's default graphs
-WEIGHT_FLOOR = {"floor": decode_weight_bytes}  # floor name -> bytes a forward reads on a rank
+# Floor name -> the bytes of weights a forward reads on a rank.
+WEIGHT_FLOOR = {"floor": common.decode_weight_bytes}
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 Floors = Mapping[str, Callable[[torch.nn.Module], int]]
@@ -152,10 +146,10 @@ def prefill_step_ms(engine: LLMEngine, batch: int, tokens: int, seed: int,
     prompts = [p for p, _ in same_lengths([([0] * length, 1)] * batch, vocab, seed)]
     engine.add_requests(prompts, [FIRST_TOKEN] * batch)
     before = Counter(engine.runner.forward_counts)
-    synchronize()
+    common.synchronize()
     start = time.perf_counter()
     outputs = engine.step()
-    synchronize()
+    common.synchronize()
     ms = (time.perf_counter() - start) * 1e3
     paths.update(engine.runner.forward_counts - before)
     if (len(outputs) != batch or engine.has_unfinished_requests()
@@ -264,17 +258,18 @@ def bench_main(name: str, doc: str, setups: Mapping[str, Setup],
     args = parser.parse_args()
     if not 1 <= args.offline_requests <= NUM_REQUESTS:
         parser.error(f"--offline-requests must be in [1, {NUM_REQUESTS}]")
-    require_cuda(name)
+    common.require_cuda(name)
     configs = args.configs or default_configs(name, defaults, torch.cuda.device_count())
     require_gpus(name, {config: setups[config] for config in configs})
-    hbm_gbs = hbm_bandwidth_gbs()
+    hbm_gbs = common.hbm_bandwidth_gbs()
     release_cuda_memory()
     rows: list[dict] = []
     for config in configs:
         rows += measure_setup(config, setups[config], args.parts, hbm_gbs,
                               args.offline_requests, args.repeats, floors)
         merged = merged_rows(name, rows, row_key)
-        write_results(name, {"hbm_gbs": hbm_gbs, "rows": merged})  # a cut-off run keeps these
+        # Written after each configuration: a run cut off keeps the finished ones.
+        common.write_results(name, {"hbm_gbs": hbm_gbs, "rows": merged})
     device = torch.cuda.get_device_name()
     report([row for row in merged if row["device"] == device])
 
@@ -314,6 +309,19 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def config_ratio(rows: list[dict], numerator: str, denominator: str, part: str, field: str,
+                 **match) -> float | None:
+    """`field` of configuration `numerator` over that of `denominator` (e.g. tp2 / tp1)."""
+    return ratio(value(rows, numerator, part, field, **match),
+                 value(rows, denominator, part, field, **match))
+
+
+def print_tables(rows: list[dict], floor: str = "floor") -> None:
+    print_prefill_table(rows)
+    print_decode_table(rows, floor)
+    print_offline_table(rows)
+
+
 def print_prefill_table(rows: list[dict]) -> None:
     """Every prefill row, the modes side by side, with eager / breakable and breakable /
     piecewise (the targets: breakable ≤ piecewise everywhere)."""
@@ -326,7 +334,7 @@ def print_prefill_table(rows: list[dict]) -> None:
         table.append([config, batch, tokens, *[m if m is not None else "-" for m in ms.values()],
                       shown(ratio(ms["eager"], ms["breakable"])),
                       shown(ratio(ms["breakable"], ms["piecewise"]))])
-    print_table("prefill engine step, ms (median of interleaved rounds)",
+    common.print_table("prefill engine step, ms (median of interleaved rounds)",
                 ["config", "batch", "tokens", *PREFILL_MODES, "eager/breakable",
                  "breakable/piecewise"], table)
     slower = [f"{c} {b}x{t}" for c, b, t, *_, over_piecewise in table
@@ -336,7 +344,7 @@ def print_prefill_table(rows: list[dict]) -> None:
 
 def print_decode_table(rows: list[dict], floor: str = "floor") -> None:
     """Every decode row with the named floor (`{floor}_ms`, `x_{floor}`)."""
-    print_table(f"decode engine step (x {floor} = ms / {floor}_ms)",
+    common.print_table(f"decode engine step (x {floor} = ms / {floor}_ms)",
                 ["config", "batch", "ms/step", "tok/s", f"{floor} ms", f"x {floor}"],
                 [[r["config"], r["batch_size"], r["ms_per_step"], r["tokens_per_s"],
                   shown(r.get(f"{floor}_ms")), shown(r.get(f"x_{floor}"))]
@@ -344,7 +352,7 @@ def print_decode_table(rows: list[dict], floor: str = "floor") -> None:
 
 
 def print_offline_table(rows: list[dict]) -> None:
-    print_table("offline throughput (bench_offline's workload, default graphs)",
+    common.print_table("offline throughput (bench_offline's workload, default graphs)",
                 ["config", "requests", "out tok/s", "tok/s (in+out)", "run s", "start-up s"],
                 [[r["config"], f"{r['requests']}{' (scaled)' if r['scaled'] else ''}",
                   r["output_tok_s"], r["tokens_per_s"], r["seconds"], r["startup_s"]]

@@ -1,7 +1,6 @@
 """The model benches' measurements (bench/model_suite.py) on the CPU, through the engine on
 tiny random models: every code path runs and yields rows with the expected fields (their
-times mean nothing here). Tensor parallel sizes above 1 run only on GPUs (bench_tp,
-bench_moe, bench_hybrid)."""
+times mean nothing here), at tensor parallel size 2 too (gloo)."""
 
 import importlib
 import json
@@ -19,6 +18,16 @@ common = importlib.import_module("common")  # the name the benches import it by
 # A vocabulary above bench_decode's prompt tokens (up to 5100), contexts of bench_offline's.
 OVERRIDES = dict(vocab_size=8192, max_position_embeddings=4096)
 ENGINE = dict(device="cpu", kv_cache_tokens=16384)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and where other processes share the
+    cores, two threads contend with them: steps then run 10-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def engine_args(tmp_path_factory, arch: str) -> dict:
@@ -66,6 +75,17 @@ def test_a_setup_measures_decode_and_offline_with_its_facts(qwen3):
         assert row["x_floor"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
     assert offline["part"] == "offline" and offline["requests"] == 1 and offline["scaled"]
     assert offline["output_tok_s"] > 0 and offline["overlap"] is False
+
+
+def test_tp2_engines_are_measured_one_after_another(qwen3):
+    """Rank 0 times steps its worker follows; each engine's workers end before the next
+    engine's start (one process group at a time)."""
+    args = {**qwen3, "tensor_parallel_size": 2}
+    prefill = model_suite.prefill_rows(args, [(2, 16)], modes=("eager",), trials=1)
+    decode = model_suite.decode_rows(args, [1])
+    assert prefill[0]["forwards"] == {"eager": model_suite.prefill_iters(16)}
+    assert decode[0]["ms_per_step"] > 0
+    assert decode[0]["floor_bytes"] < model_suite.decode_rows(qwen3, [1])[0]["floor_bytes"]
 
 
 def test_moe_floor_reads_top_k_of_the_experts(tmp_path_factory):
