@@ -30,6 +30,7 @@ import itertools
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -242,8 +243,8 @@ def bench_main(name: str, doc: str, setups: Mapping[str, Setup],
                repeats: int = 1, floors: Floors = WEIGHT_FLOOR) -> None:
     """A model bench's command line: measure the chosen configurations (`defaults`: the
     configurations run by default when at least that many GPUs are visible, the largest such
-    count chosen), writing `bench/results/{name}.json` after each, then `report` this
-    device's rows (earlier runs' included)."""
+    count chosen), writing `bench/results/{name}.json` after each part, then `report` this
+    device's rows (earlier runs' included). A part that raises is reported and skipped."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--configs", nargs="+", choices=list(setups),
                         help="default: " + "; ".join(f"{' '.join(c)} with {n}+ GPUs"
@@ -263,15 +264,23 @@ def bench_main(name: str, doc: str, setups: Mapping[str, Setup],
     require_gpus(name, {config: setups[config] for config in configs})
     hbm_gbs = common.hbm_bandwidth_gbs()
     release_cuda_memory()
-    rows: list[dict] = []
-    for config in configs:
-        rows += measure_setup(config, setups[config], args.parts, hbm_gbs,
-                              args.offline_requests, args.repeats, floors)
-        merged = merged_rows(name, rows, row_key)
-        # Written after each configuration: a run cut off keeps the finished ones.
-        common.write_results(name, {"hbm_gbs": hbm_gbs, "rows": merged})
+    rows, failed = [], []
+    for config, part in itertools.product(configs, args.parts):
+        try:
+            rows += measure_setup(config, setups[config], [part], hbm_gbs,
+                                  args.offline_requests, args.repeats, floors)
+        except Exception:  # the other parts still run; the exit status says this one failed
+            traceback.print_exc()
+            failed.append(f"{config} {part}")
+            release_cuda_memory()
+            continue
+        # Written after each part: a run cut off keeps the finished ones.
+        common.write_results(name, {"hbm_gbs": hbm_gbs,
+                                    "rows": merged_rows(name, rows, row_key)})
     device = torch.cuda.get_device_name()
-    report([row for row in merged if row["device"] == device])
+    report([row for row in merged_rows(name, rows, row_key) if row["device"] == device])
+    if failed:
+        raise SystemExit(f"{name}: failed: {', '.join(failed)} (tracebacks above)")
 
 
 def default_configs(name: str, defaults: Mapping[int, list[str]], visible: int) -> list[str]:

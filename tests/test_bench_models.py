@@ -120,3 +120,15 @@ def test_rows_of_a_run_replace_only_their_configs_parts(tmp_path, monkeypatch):
     merged = bench_offline.merged_rows("bench_x", fresh, model_suite.row_key)
     assert [(r["config"], r["part"], r["run"]) for r in merged] == [
         ("tp1", "decode", 1), ("tp1", "offline", 1), ("tp2", "offline", 1), ("tp2", "decode", 2)]
+
+
+def test_defaults_follow_the_visible_gpus_and_larger_configs_are_refused(monkeypatch):
+    defaults = {1: ["tp1"], 2: ["tp2", "ep2-allreduce"]}
+    assert model_suite.default_configs("b", defaults, 1) == ["tp1"]
+    assert model_suite.default_configs("b", defaults, 8) == ["tp2", "ep2-allreduce"]
+    with pytest.raises(SystemExit, match="needs 2 GPUs, 1 visible"):
+        model_suite.default_configs("b", {2: ["tp2"]}, 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    setups = {"tp1": bench_moe.SETUPS["tp1"], "ep2-alltoall": bench_moe.SETUPS["ep2-alltoall"]}
+    with pytest.raises(SystemExit, match=r"ep2-alltoall \(2\) need more GPUs than the 1"):
+        model_suite.require_gpus("bench_moe", setups)
