@@ -132,3 +132,36 @@ def test_defaults_follow_the_visible_gpus_and_larger_configs_are_refused(monkeyp
     setups = {"tp1": bench_moe.SETUPS["tp1"], "ep2-alltoall": bench_moe.SETUPS["ep2-alltoall"]}
     with pytest.raises(SystemExit, match=r"ep2-alltoall \(2\) need more GPUs than the 1"):
         model_suite.require_gpus("bench_moe", setups)
+
+
+def fake_rows(configs) -> list[dict]:
+    """Rows shaped as measure_setup's: prefill 2x slower in eager, piecewise 10% slower;
+    tp2 steps at 0.6x tp1's, its output rate 1.6x."""
+    rows = []
+    for config in configs:
+        scale = 0.6 if config.startswith(("tp2", "ep2")) else 1.0
+        rows += [{"config": config, "part": "prefill", "mode": mode, "batch": 1, "tokens": 16,
+                  "ms": ms} for mode, ms in (("eager", 2.0), ("breakable", 1.0),
+                                             ("piecewise", 1.1))]
+        rows += [{"config": config, "part": "decode", "batch_size": 1, "ms_per_step": 10 * scale,
+                  "tokens_per_s": 100 / scale, "floor_ms": 8.0, "x_floor": 1.25 * scale,
+                  "moe_floor_ms": 7.5 * scale, "x_moe_floor": 1.33}]
+        rows.append({"config": config, "part": "offline", "requests": 256, "scaled": False,
+                     "output_tok_s": 1000 / scale, "tokens_per_s": 2000 / scale,
+                     "seconds": 1.0, "startup_s": 1.0})
+    return rows
+
+
+@pytest.mark.parametrize("bench,expected", [
+    ("bench_tp", ["tp2 / tp1 decode step at batch 1: 0.600", "tp2 / tp1 output tok/s: 1.667"]),
+    ("bench_moe", ["ep2-alltoall: moe_floor_ms / decode step at batch 1: 0.750"]),
+    ("bench_hybrid", ["tp1: least eager / breakable at ≤ 256 tokens: 2.000",
+                      "tp2: decode step at batch 1 / weight-read floor: 0.750"]),
+])
+def test_reports_print_the_targets(capsys, bench, expected):
+    module = importlib.import_module(f"bench.{bench}")
+    module.report(fake_rows(module.SETUPS))
+    out = capsys.readouterr().out
+    assert "breakable ≤ piecewise: every row" in out
+    for line in expected:
+        assert line in out
