@@ -2,6 +2,8 @@
 and the `breakable-cuda-graphs` package, on a synthetic layer stack.
 
 Each layer runs a few small kernels and one with-output break doing one small kernel.
+"segment launch us" is the host time to launch one one-kernel CUDA graph from a Python loop:
+the floor under any breakable replay's cost per break.
 Run: python bench/bench_graph.py [--layers 32]
 """
 
@@ -133,6 +135,24 @@ def best_of(measure: Callable[[Callable], float], steps: dict[str, Callable], re
     return {mode: min(values) for mode, values in results.items()}
 
 
+def segment_launches(layers: int, x: torch.Tensor) -> Callable[[], None]:
+    """`layers` CUDA graphs of one small kernel each, replayed back to back from a Python
+    loop (the way bcg replays a segment): what launching the segments alone costs the host,
+    the floor under any breakable replay's cost per break."""
+    replays = []
+    for _ in range(layers):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x.mul_(1.0)
+        replays.append(super(torch.cuda.CUDAGraph, graph).replay)
+
+    def run() -> None:
+        for replay in replays:
+            replay()
+
+    return run
+
+
 def bench_workload(workload: str, layers: int, repeats: int) -> list[dict]:
     tokens, width = WORKLOADS[workload]
     iters = ITERS[workload]
@@ -141,10 +161,13 @@ def bench_workload(workload: str, layers: int, repeats: int) -> list[dict]:
     steps = {mode: replay_step(run, cap, x) for mode, (run, cap) in mode_runners(weights).items()}
     hidden = torch.randn(tokens, width, device="cuda")
     steps["break body"] = functools.partial(break_body, hidden, torch.empty_like(hidden))
+    steps["segment launches"] = segment_launches(layers, torch.randn(tokens, width, device="cuda"))
     wall_ms = best_of(lambda step: time_per_call_ms(step, iters), steps, repeats)
     host_us = best_of(lambda step: host_issue_us(step, iters), steps, repeats)
     body_us = host_us.pop("break body")
+    launch_us = host_us.pop("segment launches") / layers
     wall_ms.pop("break body")
+    wall_ms.pop("segment launches")
     rows = []
     for mode, ms in wall_ms.items():
         row = {
@@ -153,6 +176,7 @@ def bench_workload(workload: str, layers: int, repeats: int) -> list[dict]:
             "replay_ms": ms,
             "host_issue_us": host_us[mode],
             "break_body_host_us": body_us,
+            "segment_launch_host_us": launch_us,
         }
         if mode not in ("eager", "full graph"):
             row["x_full_graph"] = ms / wall_ms["full graph"]
@@ -219,6 +243,7 @@ def main() -> None:
             "host us/step",
             "host us/break beyond body",
             "body host us",
+            "segment launch us",
         ],
         [
             [
@@ -229,6 +254,7 @@ def main() -> None:
                 r["host_issue_us"],
                 r.get("host_us_per_break_beyond_body", "-"),
                 r["break_body_host_us"],
+                r["segment_launch_host_us"],
             ]
             for r in replay
         ],
