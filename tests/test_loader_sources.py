@@ -36,7 +36,7 @@ def test_dummy_load_format_keeps_the_config_and_randomises(tmp_path):
 
 @pytest.mark.parametrize("preset,billions", [
     ("smollm2-135m", 0.135), ("qwen2.5-0.5b", 0.49), ("qwen3-0.6b", 0.60),
-    ("qwen3-8b", 8.19), ("llama3-8b", 8.03),
+    ("qwen3-8b", 8.19), ("qwen3-32b", 32.76), ("llama3-8b", 8.03),
 ])
 def test_presets_build_with_the_published_sizes(preset, billions):
     config = ModelConfig.from_hf_dict(PRESETS[preset])

@@ -252,6 +252,28 @@ def test_the_failure_abort_warns_without_torchs_api_and_not_after_close(monkeypa
     assert caplog.text == ""
 
 
+@pytest.mark.parametrize("preset,size,expert_parallel", [
+    ("qwen3-32b", 4, False), ("qwen3-32b", 8, False),
+    ("qwen3-235b-a22b", 8, False), ("qwen3-235b-a22b", 8, True),
+])
+def test_the_large_presets_split_at_four_and_eight_ranks(preset, size, expert_parallel):
+    config = EngineConfig(model=preset, device="cpu", tensor_parallel_size=size,
+                          enable_expert_parallel=expert_parallel)
+    check_tensor_parallel_size(config, resolve_model(preset, dummy_weights=True).config)
+
+
+def test_experts_that_do_not_split_are_refused_before_weights_load(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path, num_experts=6, moe_intermediate_size=30)
+    model = resolve_model(str(tmp_path)).config
+    whole = EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=4,
+                         enable_expert_parallel=True)
+    with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible"):
+        check_tensor_parallel_size(whole, model)
+    split = EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(30\) is not divisible"):
+        check_tensor_parallel_size(split, model)
+
+
 def test_bad_sizes_are_refused_before_weights_load(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)  # 4 heads, 2 KV heads, intermediate 96
     monkeypatch.setattr(model_runner, "load_model", _fail_at_load)

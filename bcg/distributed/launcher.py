@@ -59,6 +59,10 @@ def check_tensor_parallel_size(config: EngineConfig, model: ModelConfig) -> None
     tp.shard(model.num_attention_heads, "num_attention_heads")
     tp.kv_heads(model.num_key_value_heads)
     tp.shard(model.intermediate_size, "intermediate_size")
+    if model.num_experts and config.enable_expert_parallel:
+        tp.shard(model.num_experts, "num_experts")
+    elif model.num_experts:
+        tp.shard(model.moe_intermediate_size, "moe_intermediate_size")
     if config.torch_device.type == "cuda":
         per_host = size if launched_rank() is None else int(
             os.environ.get("LOCAL_WORLD_SIZE", size))

@@ -82,6 +82,14 @@ PRESETS: dict[str, dict] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    "qwen3-32b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
     "llama3-8b": {  # Llama 3.1 8B
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": 128256,
