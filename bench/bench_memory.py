@@ -36,7 +36,7 @@ GPU_MEMORY_UTILIZATION = 0.85
 # Runs in the child process: builds the engine from the checkout on sys.path[0] and prints
 # one JSON line. A layer count other than the preset's is a temporary preset.
 WORKER = """
-import json, sys, time
+import json, logging, sys, time
 import torch
 from bcg.engine.llm import LLM
 from bcg.models.presets import PRESETS
@@ -44,6 +44,17 @@ model, layers, max_tokens, util = sys.argv[1], sys.argv[2], int(sys.argv[3]), fl
 if layers != "None":
     PRESETS[f"{model}-{layers}l"] = {**PRESETS[model], "num_hidden_layers": int(layers)}
     model = f"{model}-{layers}l"
+startup_log = []  # the -v breakdown: each start-up step and each runner's warm-up/capture
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        startup_log.append(record.getMessage())
+
+
+for name in ("bcg.startup", "bcg.runner.graph_runner"):
+    logging.getLogger(name).addHandler(Keep())
+    logging.getLogger(name).setLevel(logging.INFO)
 start = time.perf_counter()
 llm = LLM(model, load_format="dummy", max_num_batched_tokens=max_tokens,
           gpu_memory_utilization=util)
@@ -55,6 +66,7 @@ print("RESULT " + json.dumps({
     "kv_tokens": runner.num_kv_blocks * runner.block_size,
     "runners": [{"runner": r.kind, "pool_gib": r.pool_bytes / 2**30,
                  "capture_s": r.capture_seconds} for r in runner.graph_runners],
+    "startup_log": startup_log,
 }))
 """
 
@@ -85,10 +97,12 @@ def main() -> None:
             result = run_config(args.code.resolve(), model, layers, max_tokens)
         models.append({"model": model, "num_layers": result["num_layers"],
                        "max_tokens": max_tokens, "ready_s": result["ready_s"],
-                       "kv_tokens": result["kv_tokens"]})
+                       "kv_tokens": result["kv_tokens"], "startup_log": result["startup_log"]})
+        print("\n".join(result["startup_log"]), flush=True)
         rows += [{"model": model, "num_layers": result["num_layers"], "max_tokens": max_tokens,
                   **r} for r in result["runners"]]
-        print(f"{model} x{result['num_layers']} @{max_tokens}: {result}", flush=True)
+        print(f"{model} x{result['num_layers']} @{max_tokens}: "
+              f"{ {k: v for k, v in result.items() if k != 'startup_log'} }", flush=True)
     print_table(
         f"graph pools and start-up ({args.code.resolve().name}; gpu_memory_utilization "
         f"{GPU_MEMORY_UTILIZATION})",
