@@ -139,6 +139,34 @@ def test_rotary_with_qk_norm_matches_layers(head_shape: tuple) -> None:
     assert relative_error(k, expected_k) <= TOLERANCE
 
 
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("head_shape", [(8, 2, 128), (12, 3, 64)], ids=str)
+def test_rotary_storing_kv_equals_rotary_then_store(head_shape: tuple, norms: bool) -> None:
+    """The decode path's fused launch: the same q, k and caches as rotary and then store_kv,
+    bit for bit; padding slots (-1) write nothing."""
+    num_heads, num_kv_heads, head_dim = head_shape
+    num_tokens, block_size, max_position = NUM_TOKENS[-1], 16, 4096
+    layer = RotaryEmbedding(head_dim, max_position, 1000000.0).to(DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    weights = tuple(rand(head_dim, generator=generator) for _ in range(2)) if norms else None
+    positions = torch.randint(0, max_position, (num_tokens,), generator=generator).to(DEVICE)
+    num_blocks = num_tokens // block_size + 2
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[::2] = -1
+    slots = slots.to(DEVICE)
+    caches = [rand(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+              for _ in range(2)]
+    q, k, v = fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, seed=7)
+    fused_q, fused_k = q.clone(), k.clone()
+    fused_caches = [c.clone() for c in caches]
+    rotary.apply_rotary(q, k, positions, layer.cos, layer.sin, weights, 1e-6)
+    kv_store.store_kv(k, v, *caches, slots)
+    rotary.apply_rotary(fused_q, fused_k, positions, layer.cos, layer.sin, weights, 1e-6,
+                        kv_store=(v, *fused_caches, slots))
+    assert torch.equal(fused_q, q) and torch.equal(fused_k, k)
+    assert torch.equal(fused_caches[0], caches[0]) and torch.equal(fused_caches[1], caches[1])
+
+
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("intermediate", [64, 1000, 3072])
 def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:

@@ -31,7 +31,32 @@ def store_kv(
 
     One launch, no host synchronisation: safe to capture in a CUDA graph.
     """
+    check_kv_store(k, v, k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
+    k_strides, v_strides = k.stride(), v.stride()
+    if num_tokens == 0:
+        return
+    _launch_store_kv(
+        (num_tokens,),
+        (k, v, k_cache, v_cache, slot_mapping),
+        (),
+        {
+            "STRIDE_K_TOK": k_strides[0],
+            "STRIDE_K_HEAD": k_strides[1],
+            "STRIDE_V_TOK": v_strides[0],
+            "STRIDE_V_HEAD": v_strides[1],
+            "STRIDE_SLOT": k_cache.stride(1),
+            "NUM_KV_HEADS": num_kv_heads,
+            "HEADS_PAD": next_power_of_2(num_kv_heads),
+            "HEAD_DIM": head_dim,
+        },
+    )
+
+
+def check_kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> None:
+    """Raise unless ``k``, ``v`` and the caches have ``store_kv``'s layouts."""
+    _, num_kv_heads, head_dim = k.shape
     cache_shape, cache_strides = k_cache.shape, k_cache.stride()
     if cache_shape[2:] != (num_kv_heads, head_dim) or cache_shape != v_cache.shape:
         raise ValueError(
@@ -46,26 +71,9 @@ def store_kv(
             f"k_cache and v_cache must be contiguous with equal strides, got {cache_strides} "
             f"and {v_cache.stride()}; allocate them with torch.empty"
         )
-    k_strides, v_strides = k.stride(), v.stride()
-    if k_strides[2] != 1 or v_strides[2] != 1:
-        raise ValueError(f"k and v need a contiguous last dimension, got {k_strides}, {v_strides}")
-    if num_tokens == 0:
-        return
-    _launch_store_kv(
-        (num_tokens,),
-        (k, v, k_cache, v_cache, slot_mapping),
-        (),
-        {
-            "STRIDE_K_TOK": k_strides[0],
-            "STRIDE_K_HEAD": k_strides[1],
-            "STRIDE_V_TOK": v_strides[0],
-            "STRIDE_V_HEAD": v_strides[1],
-            "STRIDE_SLOT": cache_strides[1],
-            "NUM_KV_HEADS": num_kv_heads,
-            "HEADS_PAD": next_power_of_2(num_kv_heads),
-            "HEAD_DIM": head_dim,
-        },
-    )
+    if k.stride(2) != 1 or v.stride(2) != 1 or v.shape != k.shape:
+        raise ValueError(f"k and v need equal shapes and a contiguous last dimension, got "
+                         f"{tuple(k.shape)} {k.stride()} and {tuple(v.shape)} {v.stride()}")
 
 
 @triton.jit

@@ -6,7 +6,8 @@ scaling already applied, so the kernel only looks them up by position.
 
 Qwen3 normalises each q and k head (RMSNorm over ``head_dim``) right before rotating it; given
 ``norm_weights`` the kernel does both in one pass, rounding exactly as the ``rms_norm``
-kernel followed by this one without norms.
+kernel followed by this one without norms. Given ``kv_store`` it also writes the rotated k
+and v into the paged cache, as ``store_kv`` would: a decode step then skips that launch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from bcg.kernels._launch import (
     next_power_of_2,
     require_last_dim_contiguous,
 )
+from bcg.kernels.kv_store import check_kv_store
+
+# (v, k_cache, v_cache, slot_mapping), as `store_kv` takes them with k.
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def apply_rotary(
@@ -30,6 +35,7 @@ def apply_rotary(
     sin: torch.Tensor,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 0.0,
+    kv_store: KVStore | None = None,
 ) -> None:
     """Rotate ``q`` and ``k`` in place by their tokens' positions.
 
@@ -43,6 +49,8 @@ def apply_rotary(
             first (``weight * x / rms(x)``), as ``RMSNorm`` would.
         eps: added to each head's mean square when normalising (one value for q and k, as
             Qwen3's two norms share it).
+        kv_store: ``(v, k_cache, v_cache, slot_mapping)``: also store the rotated k and v at
+            ``slot_mapping`` (a negative slot writes nothing), with ``store_kv``'s layouts.
 
     The rotation is computed in fp32 and rounded once. One launch, no host synchronisation.
     """
@@ -64,13 +72,19 @@ def apply_rotary(
     tensors = (("q", q), ("k", k), ("cos", cos), ("q_weight", q_weight), ("k_weight", k_weight))
     for name, tensor in tensors:
         require_last_dim_contiguous(name, tensor)
+    # Without a store the kernel never reads these pointers; k stands in for them.
+    v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k, k, positions)
+    if kv_store is not None:
+        check_kv_store(k, v, k_cache, v_cache)
+        if slots.shape[0] < num_tokens:
+            raise ValueError(f"{slots.shape[0]} slots for {num_tokens} tokens")
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
     _launch_rotary(
         (num_tokens,),
         # Without norms the kernel never reads the weight pointers; cos stands in for them.
-        (q, k, positions, cos, sin, q_weight, k_weight),
+        (q, k, positions, cos, sin, q_weight, k_weight, v, k_cache, v_cache, slots),
         (float(eps),),
         {
             "STRIDE_Q_TOK": q.stride(0),
@@ -84,6 +98,9 @@ def apply_rotary(
             "KV_HEADS_PAD": next_power_of_2(num_kv_heads),
             "HALF": half,
             "HAS_NORM": norm_weights is not None,
+            "STRIDE_V_TOK": v.stride(0),
+            "STRIDE_V_HEAD": v.stride(1),
+            "STORE_KV": kv_store is not None,
         },
     )
 
@@ -106,7 +123,7 @@ def _rotate_heads(
     NUM: tl.constexpr, NUM_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """Rotate (after normalising, with ``HAS_NORM``) the ``NUM`` heads at ``x_ptr`` (one
-    token) in place."""
+    token) in place; return both rotated halves, rounded as stored."""
     heads = tl.arange(0, NUM_PAD)
     dims = tl.arange(0, HALF)
     mask = (heads < NUM)[:, None]
@@ -115,15 +132,37 @@ def _rotate_heads(
     x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         x1, x2 = _rms_normed(x1, x2, weight_ptr, eps, dims, x_ptr.dtype.element_ty, HALF)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(first_ptrs, out1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first_ptrs + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty)
+    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty)
+    tl.store(first_ptrs, out1, mask=mask)
+    tl.store(first_ptrs + HALF, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _store_token_kv(
+    k1, k2, v_ptr, stride_v_head, k_cache_ptr, v_cache_ptr, slot,
+    NUM: tl.constexpr, NUM_PAD: tl.constexpr, HALF: tl.constexpr,
+):
+    """One token's rotated k (its halves) and its v into cache slot ``slot`` (dense
+    ``[slot, head, dim]``); nothing for a negative slot."""
+    heads = tl.arange(0, NUM_PAD)
+    dims = tl.arange(0, HALF)
+    mask = (heads < NUM)[:, None] & (slot >= 0)
+    v_ptrs = v_ptr + heads[:, None] * stride_v_head + dims[None, :]
+    v1 = tl.load(v_ptrs, mask=mask, other=0.0)
+    v2 = tl.load(v_ptrs + HALF, mask=mask, other=0.0)
+    offsets = slot * (NUM * 2 * HALF) + heads[:, None] * (2 * HALF) + dims[None, :]
+    tl.store(k_cache_ptr + offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + offsets, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + offsets + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, eps,
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, eps,
     STRIDE_Q_TOK: tl.constexpr,
     STRIDE_Q_HEAD: tl.constexpr,
     STRIDE_K_TOK: tl.constexpr,
@@ -135,6 +174,9 @@ def _rotary_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STRIDE_V_TOK: tl.constexpr,
+    STRIDE_V_HEAD: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
@@ -145,10 +187,15 @@ def _rotary_kernel(
         q_ptr + token * STRIDE_Q_TOK, STRIDE_Q_HEAD, cos, sin, q_weight_ptr, eps,
         NUM_HEADS, Q_HEADS_PAD, HALF, HAS_NORM,
     )
-    _rotate_heads(
+    k1, k2 = _rotate_heads(
         k_ptr + token * STRIDE_K_TOK, STRIDE_K_HEAD, cos, sin, k_weight_ptr, eps,
         NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM,
     )
+    if STORE_KV:
+        _store_token_kv(
+            k1, k2, v_ptr + token * STRIDE_V_TOK, STRIDE_V_HEAD, k_cache_ptr, v_cache_ptr,
+            tl.load(slots_ptr + token), NUM_KV_HEADS, KV_HEADS_PAD, HALF,
+        )
 
 
 _launch_rotary = CachedLauncher(_rotary_kernel)

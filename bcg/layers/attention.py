@@ -14,6 +14,7 @@ from torch import nn
 
 from bcg.forward import get_forward_context
 from bcg.graph import bridge_buffer
+from bcg.layers.attention_backend import KVStore
 from bcg.layers.step_op import step_op
 
 
@@ -28,22 +29,33 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_stored: bool = False) -> torch.Tensor:
         """q `[T, H, D]`, k, v `[T, KVH, D]`, T >= the live token count -> `[T, H, D]`. q, k
         and v should be views of a bridge buffer too (the model's QKV projection writes them
-        there), the output is one."""
+        there), the output is one. `kv_stored`: rotary already stored k and v where
+        `kv_store_target` said."""
         output = bridge_buffer("attention_output", q.shape, q.dtype, q.device)
         if output is None:
             output = torch.empty_like(q)
-        attend(self, q, k, v, output)
+        attend(self, q, k, v, output, kv_stored)
         return output
 
 
+def kv_store_target(layer: Attention, v: torch.Tensor) -> KVStore | None:
+    """Where rotary may store this step's k and `v` itself, as the backend allows (never
+    inside a compiled stack, whose kernels are the compiler's)."""
+    if torch.compiler.is_compiling():
+        return None
+    context = get_forward_context()
+    return context.attention.kv_store_target(layer, v, context)
+
+
 def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            output: torch.Tensor) -> None:
+            output: torch.Tensor, kv_stored: bool) -> None:
     context = get_forward_context()
     n = context.batch.num_tokens
-    context.attention.forward(layer, q[:n], k[:n], v[:n], output[:n], context)
+    context.attention.forward(layer, q[:n], k[:n], v[:n], output[:n], context, kv_stored)
 
 
 attend = step_op(_attend)

@@ -20,6 +20,9 @@ from bcg.layers import triton_ops
 from bcg.layers.attention_ref import paged_attention_ref
 from bcg.layers.attention_ref import store_kv as store_kv_ref
 
+# Where a step's new keys and values go: (v, k_cache, v_cache, slot_mapping).
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 class AttentionLayer(Protocol):
     layer_id: int  # which layer's KV cache to use
@@ -31,16 +34,26 @@ class AttentionBackend(ABC):
         """What every layer reuses while the stack runs on `batch` (None: nothing)."""
         return None
 
+    def kv_store_target(self, layer: AttentionLayer, v: torch.Tensor,
+                        context: ForwardContext) -> KVStore | None:
+        """Where the rotary kernel may store this step's keys and values itself (the
+        backend then skips its own store); None: the backend stores them."""
+        return None
+
     @abstractmethod
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, out: torch.Tensor, context: ForwardContext) -> None:
+                v: torch.Tensor, out: torch.Tensor, context: ForwardContext,
+                kv_stored: bool = False) -> None:
         """q, out `[T, H, D]`, k, v `[T, KVH, D]`, T = the batch's live token count: store
-        k, v at `context.batch.slot_mapping`, then write the attention of q into `out`."""
+        k, v at `context.batch.slot_mapping` (unless `kv_stored`: rotary stored them), then
+        write the attention of q into `out`."""
 
 
 class ReferenceAttention(AttentionBackend):
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, out: torch.Tensor, context: ForwardContext) -> None:
+                v: torch.Tensor, out: torch.Tensor, context: ForwardContext,
+                kv_stored: bool = False) -> None:
+        assert not kv_stored, "the reference offers no store to rotary"
         batch = context.batch
         k_cache, v_cache = context.kv_cache.layer(layer.layer_id)
         store_kv_ref(k, v, k_cache, v_cache, batch.slot_mapping[: batch.num_tokens])
@@ -67,11 +80,21 @@ class TritonAttention(AttentionBackend):
                 size, self.num_heads, self.num_kv_heads, self.head_dim, self.device)
         return self._decode_plans[size]
 
+    def kv_store_target(self, layer: AttentionLayer, v: torch.Tensor,
+                        context: ForwardContext) -> KVStore | None:
+        """A decode step's: one launch less per layer. Not a prefill's, whose graphs are
+        captured before the cache exists (their attention break stores)."""
+        if not context.batch.is_decode:
+            return None
+        return (v, *context.kv_cache.layer(layer.layer_id), context.batch.slot_mapping)
+
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, out: torch.Tensor, context: ForwardContext) -> None:
+                v: torch.Tensor, out: torch.Tensor, context: ForwardContext,
+                kv_stored: bool = False) -> None:
         batch = context.batch
         k_cache, v_cache = context.kv_cache.layer(layer.layer_id)
-        triton_ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping[: batch.num_tokens])
+        if not kv_stored:
+            triton_ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping[: batch.num_tokens])
         if batch.is_decode:
             triton_ops.decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables,
                                         layer.scale, out=out, plan=context.attention_metadata)

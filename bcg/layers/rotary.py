@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from bcg.layers import triton_ops
+from bcg.layers.attention_backend import KVStore
 from bcg.layers.norm import RMSNorm
 from bcg.layers.triton_ops import use_fused_kernels
 
@@ -33,15 +34,19 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         norms: tuple[RMSNorm, RMSNorm] | None = None,
+        kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q `[T, H, D]` and k `[T, KVH, D]` by their token positions `[T]`, after
-        normalising each head with `norms` (q's, k's) if given. In place with the fused
-        kernel, which does both in one launch."""
+        normalising each head with `norms` (q's, k's) if given, then store k and v where
+        `kv_store` says (only the fused kernel, offered it by the attention backend). In
+        place with the fused kernel, which does it all in one launch."""
         if use_fused_kernels(q):
             weights = None if norms is None else (norms[0].weight, norms[1].weight)
             eps = 0.0 if norms is None else norms[0].eps
-            triton_ops.apply_rotary(q, k, positions, self.cos, self.sin, weights, eps)
+            triton_ops.apply_rotary(q, k, positions, self.cos, self.sin, weights, eps,
+                                    kv_store)
             return q, k
+        assert kv_store is None, "only the fused kernel stores k and v"
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)

@@ -10,7 +10,7 @@ from torch import nn
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.graph import bridge_buffer
 from bcg.layers.activation import SiluAndMul
-from bcg.layers.attention import Attention
+from bcg.layers.attention import Attention, kv_store_target
 from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.norm import RMSNorm
@@ -54,9 +54,12 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        kv_store = None
         if self.rotary is not None:
-            q, k = self.rotary(positions, q, k, self.qk_norms)  # one kernel on CUDA
-        out = self.attn(q, k, v)
+            # One kernel on CUDA: norms, rotation and, in a decode step, the KV store.
+            kv_store = kv_store_target(self.attn, v)
+            q, k = self.rotary(positions, q, k, self.qk_norms, kv_store)
+        out = self.attn(q, k, v, kv_stored=kv_store is not None)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
