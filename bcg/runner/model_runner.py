@@ -8,6 +8,10 @@ rows to sample and the sampler. The runner knows sequences only through `Schedul
 Under tensor parallelism every rank holds a runner over its part of the model. Rank 0's
 `execute` sends the step's plan (`StepPlan`) to the other ranks, whose `run_plan` runs the
 same forward and head (the KV cache is written on every rank); only rank 0 samples.
+
+With overlapped steps a step may compute tokens the host does not have yet: they stay on the
+device as the last step's samples (broadcast from rank 0 to every rank), and `run_plan`
+writes them into the step's input ids there.
 """
 
 from __future__ import annotations
