@@ -340,8 +340,8 @@ def host_calls(baseline: Baseline) -> dict[str, Callable[[], object]]:
 
     return {
         "extend_attention": inputs.call_ours(),
-        "decode_attention (split + merge)": decode_call(None),
-        "decode_attention (1 split, 1 launch)": decode_call(1),
+        "decode_attention (splits)": decode_call(None),
+        "decode_attention (1 split)": decode_call(1),
         "baseline": inputs.call_baseline(baseline),
         "triton_launch_floor": lambda: _store_one_kernel[(1,)](inputs.seq_lens),
     }
@@ -352,7 +352,7 @@ def profile_host(calls: dict[str, Callable[[], object]]) -> None:
     import cProfile
     import pstats
 
-    for name in ("extend_attention", "decode_attention (split + merge)"):
+    for name in ("extend_attention", "decode_attention (splits)"):
         profiler = cProfile.Profile()
         profiler.runcall(lambda fn=calls[name]: [fn() for _ in range(2000)])
         torch.cuda.synchronize()

@@ -75,19 +75,29 @@ def test_decode_split_counts_agree(num_splits: int) -> None:
 
 
 def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plan's split count follows its batch size (one split for large batches); every
-    launch of either kernel has the same constexprs whatever the count."""
+    """A plan's split count follows its batch size (one split for large batches); each call
+    is one launch (the last split merges), with the same constexprs whatever the count."""
     split_launches = record_launches(monkeypatch, decode, "_launch_split")
-    merge_launches = record_launches(monkeypatch, decode, "_launch_merge")
     generator = torch.Generator().manual_seed(11)
     head_shape = HEAD_SHAPES[1]
     for batch_size, num_splits in ((8, 1), (3, 2), (1, 5)):
         batch = decode_batch(random_lengths(batch_size, generator), head_shape, generator)
         plan = decode.plan_decode(batch_size, *head_shape[:3], DEVICE, num_splits=num_splits)
         assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
-    assert len(split_launches) == 3 and len(merge_launches) == 2
+    assert len(split_launches) == 3
     assert split_launches[0] == split_launches[1] == split_launches[2]
-    assert merge_launches[0] == merge_launches[1]
+
+
+def test_a_plan_serves_call_after_call() -> None:
+    """Every layer of a step (and every replay) reuses one plan: the merging split leaves
+    the arrival counts at zero, so the next call merges again, right."""
+    generator = torch.Generator().manual_seed(13)
+    head_shape = HEAD_SHAPES[1]
+    plan = decode.plan_decode(4, *head_shape[:3], DEVICE, num_splits=4)
+    for _ in range(3):
+        batch = decode_batch(random_lengths(4, generator), head_shape, generator)
+        assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
+        assert not plan.arrivals.any()
 
 
 def test_padded_rows_are_untouched() -> None:
@@ -170,8 +180,7 @@ def test_repeated_calls_take_the_fast_launch_path() -> None:
     generator = torch.Generator().manual_seed(21)
     plan = decode.plan_decode(4, *HEAD_SHAPES[4][:3], DEVICE)
     run_decode(decode_batch(random_lengths(4, generator), HEAD_SHAPES[4], generator), plan=plan)
-    launchers = (decode._launch_split, decode._launch_merge)
-    slow_before = [launcher.slow_launches for launcher in launchers]
+    slow_before = decode._launch_split.slow_launches
     batch = decode_batch(random_lengths(4, generator), HEAD_SHAPES[4], generator)
     assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
-    assert [launcher.slow_launches for launcher in launchers] == slow_before
+    assert decode._launch_split.slow_launches == slow_before

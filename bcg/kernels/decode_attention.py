@@ -3,9 +3,11 @@
 Each sequence's KV range is cut into ``num_splits`` chunks so that one long sequence still
 fills the GPU. The split count is fixed per batch size (``plan_decode``) and the chunk length
 is computed on the GPU from ``seq_lens``, so the grid never depends on data: a captured graph
-replays correctly with any lengths and block tables. Stage one writes a normalised partial
-output and its log-sum-exp per split; stage two merges them. A row whose ``seq_len`` is 0 (a
-padded slot of a graph bucket) reads nothing and leaves its output untouched.
+replays correctly with any lengths and block tables. Each split writes a normalised partial
+output and its log-sum-exp; the last split of a (row, KV head) to finish, found by an atomic
+count, merges them in the same launch (one kernel, not a second merge launch, per layer). A
+row whose ``seq_len`` is 0 (a padded slot of a graph bucket) reads nothing and leaves its
+output untouched.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ CONFIGS = DeviceConfigs(
 class DecodePlan:
     """Split count and merge workspace for one batch size, reusable by every layer and step.
 
-    ``partial_out`` is fp32 ``[max_batch, num_heads, num_splits, head_dim]`` and
-    ``partial_lse`` fp32 ``[max_batch, num_heads, num_splits]`` (log2 units). Nothing in it
-    depends on sequence lengths, so a graph runner builds one per captured batch size.
+    ``partial_out`` is fp32 ``[max_batch, num_heads, num_splits, head_dim]``,
+    ``partial_lse`` fp32 ``[max_batch, num_heads, num_splits]`` (log2 units) and ``arrivals``
+    int32 ``[max_batch, num_kv_heads]``, the splits of each (row, KV head) done so far: zero
+    between calls (the merging split resets it). Nothing in it depends on sequence lengths,
+    so a graph runner builds one per captured batch size.
     """
 
     num_splits: int
@@ -62,6 +66,7 @@ class DecodePlan:
     head_dim: int
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    arrivals: torch.Tensor
     config: DecodeConfig
 
 
@@ -90,8 +95,9 @@ def plan_decode(
         batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
     )
     partial_lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=device)
+    arrivals = torch.zeros(batch_size, num_kv_heads, dtype=torch.int32, device=device)
     return DecodePlan(
-        num_splits, batch_size, num_heads, head_dim, partial_out, partial_lse, config
+        num_splits, batch_size, num_heads, head_dim, partial_out, partial_lse, arrivals, config
     )
 
 
@@ -126,16 +132,17 @@ def decode_attention(
     batch, num_heads, head_dim = q.shape
     if plan is None:
         plan = plan_decode(batch, num_heads, num_kv_heads, head_dim, q.device)
-    if plan.max_batch < batch or (plan.num_heads, plan.head_dim) != (num_heads, head_dim):
+    if (plan.max_batch < batch or (plan.num_heads, plan.head_dim) != (num_heads, head_dim)
+            or plan.arrivals.shape[1] != num_kv_heads):
         raise ValueError(
             f"plan is for up to {plan.max_batch} rows of {plan.num_heads} heads x "
             f"{plan.head_dim}, not q {tuple(q.shape)}: build a fitting one with plan_decode()"
         )
-    single_split = plan.num_splits == 1
     config = plan.config
     _launch_split(
         (batch, num_kv_heads, plan.num_splits),
-        (q, k_cache, v_cache, seq_lens, block_tables, out, plan.partial_out, plan.partial_lse),
+        (q, k_cache, v_cache, seq_lens, block_tables, out, plan.partial_out, plan.partial_lse,
+         plan.arrivals),
         (scale * LOG2_E, plan.num_splits, block_tables.stride(0)),
         {
             **strides,
@@ -149,22 +156,6 @@ def decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if not single_split:
-        _launch_merge(
-            (batch, num_heads),
-            (plan.partial_out, plan.partial_lse, seq_lens, out),
-            (plan.num_splits,),
-            {
-                "STRIDE_OUT_TOK": strides["STRIDE_OUT_TOK"],
-                "STRIDE_OUT_HEAD": strides["STRIDE_OUT_HEAD"],
-                "NUM_HEADS": num_heads,
-                "HEAD_DIM": head_dim,
-                "BLOCK_N": config.block_n,
-                # The default split cap, not this plan's count (which follows the batch
-                # size): one compiled merge serves every batch; masked lanes read nothing.
-                "SPLITS_PAD": next_power_of_2(max(MAX_SPLITS, plan.num_splits)),
-            },
-        )
     return out
 
 
@@ -178,7 +169,7 @@ def _split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, arrivals_ptr,
     scale_log2, num_splits, stride_table,
     STRIDE_Q_TOK: tl.constexpr,
     STRIDE_Q_HEAD: tl.constexpr,
@@ -234,50 +225,50 @@ def _decode_split_kernel(
     )
 
     result = acc / l_i[:, None]
+    out_ptrs = out_ptr + row * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD + dims[None, :]
     # A runtime branch, not a constexpr: the split count follows the batch size.
     if num_splits == 1:
-        out_ptrs = out_ptr + row * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD + dims[None, :]
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     else:
         # The plan's workspace is contiguous [batch, heads, splits, (head_dim)].
-        partial_rows = (row * NUM_HEADS + heads) * num_splits + split
-        partial_ptrs = partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :]
+        first_rows = (row * NUM_HEADS + heads) * num_splits
+        partial_ptrs = partial_out_ptr + (first_rows + split)[:, None] * HEAD_DIM + dims[None, :]
         tl.store(partial_ptrs, result, mask=head_mask[:, None])
-        tl.store(partial_lse_ptr + partial_rows, m_i + tl.log2(l_i), mask=head_mask)
+        tl.store(partial_lse_ptr + first_rows + split, m_i + tl.log2(l_i), mask=head_mask)
+        # Release these partials, then count this split in; the last one in merges them.
+        arrival_ptr = arrivals_ptr + row * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(arrival_ptr, 1, sem="acq_rel")
+        num_used = tl.cdiv(seq_len, chunk)
+        if arrived == num_used - 1:
+            merged = _merge_splits(partial_out_ptr, partial_lse_ptr, first_rows, num_used,
+                                   head_mask, BLOCK_H, HEAD_DIM)
+            tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+            tl.store(arrival_ptr, 0)  # ready for the next call (the next layer, a replay)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(
-    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr, num_splits,
-    STRIDE_OUT_TOK: tl.constexpr,
-    STRIDE_OUT_HEAD: tl.constexpr,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + row)
-    if seq_len == 0:
-        return
-    num_used = tl.cdiv(seq_len, _split_chunk(seq_len, num_splits, BLOCK_N))
-    splits = tl.arange(0, SPLITS_PAD)
-    used = splits < num_used
+@triton.jit
+def _merge_splits(partial_out_ptr, partial_lse_ptr, first_rows, num_used, head_mask,
+                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The ``num_used`` partial outputs of each head row (from ``first_rows``), weighted by
+    their log-sum-exps: the attention over the whole sequence. Read past the L1 cache, which
+    other multiprocessors' writes do not reach."""
     dims = tl.arange(0, HEAD_DIM)
-    partial_rows = (row * NUM_HEADS + head) * num_splits + splits
-    lse = tl.load(partial_lse_ptr + partial_rows, mask=used, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
-    partial = tl.load(
-        partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :],
-        mask=used[:, None],
-        other=0.0,
-    )
-    merged = tl.sum(partial * weights[:, None], 0)
-    out_ptrs = out_ptr + row * STRIDE_OUT_TOK + head * STRIDE_OUT_HEAD + dims
-    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty))
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for split in range(0, num_used):
+        rows = first_rows + split
+        # Padded head rows read 0: finite, and never stored.
+        lse = tl.load(partial_lse_ptr + rows, mask=head_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+                       mask=head_mask[:, None], other=0.0, cache_modifier=".cg")
+        new_m = tl.maximum(m, lse)
+        rescale = tl.exp2(m - new_m)
+        weight = tl.exp2(lse - new_m)
+        acc = acc * rescale[:, None] + part * weight[:, None]
+        total = total * rescale + weight
+        m = new_m
+    return acc / total[:, None]
 
 
 _launch_split = CachedLauncher(_decode_split_kernel)
-_launch_merge = CachedLauncher(_decode_merge_kernel)
