@@ -20,9 +20,9 @@ def tiny(tmp_path_factory):
                                       GREEDY.max_tokens)
 
 
-def engines(folder, **engine_args) -> tuple[LLM, LLM]:
+def engines(folder, device: str = "cpu", **engine_args) -> tuple[LLM, LLM]:
     """(plain, overlapped) engines of the same arguments."""
-    return tuple(LLM(model=str(folder), device="cpu", block_size=4, overlap=overlap,
+    return tuple(LLM(model=str(folder), device=device, block_size=4, overlap=overlap,
                      **engine_args) for overlap in (False, True))
 
 
@@ -101,6 +101,19 @@ def test_overlapped_steps_give_the_same_outputs(tiny, eos_model, engine_args):
     assert sum(o.num_cached_tokens for o in got) > 0
     manager = overlapped.engine.scheduler.block_manager
     assert manager.num_free_blocks == overlapped.engine.runner.num_kv_blocks
+
+
+@pytest.mark.gpu
+def test_overlapped_steps_on_cuda_give_the_same_outputs(tiny, eos_model):
+    """On CUDA (fp32, default graphs): tokens fed on the device, ids copied through pinned
+    memory and an event."""
+    plain, overlapped = engines(eos_model, device="cuda", dtype="float32", max_model_len=64,
+                                gpu_memory_utilization=0.3)
+    prompts, params = workload(tiny[1])
+    for _ in range(2):
+        expected = plain.generate(prompts, params, use_tqdm=False)
+        assert_same_outputs(overlapped.generate(prompts, params, use_tqdm=False), expected)
+    assert overlapped.engine.runner.forward_counts["decode graph"] > 0
 
 
 def test_preemption_happens_under_overlap(tiny):
