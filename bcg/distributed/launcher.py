@@ -86,6 +86,7 @@ class Workers:
         self._closing = False
         self._group_lock = threading.Lock()  # the failure timer's abort vs close()
         self._reports: list[Connection] = []  # each worker's reports, by rank - 1
+        self._watcher: threading.Thread | None = None
         self.nccl = config.torch_device.type == "cuda"
         self.config = config  # rank 0's: its own device
         if self.size == 1:
@@ -102,7 +103,9 @@ class Workers:
         self._spawn(config, init_method)
         try:
             self._wait_until_started()
-            threading.Thread(target=self._watch, name="bcg-tp-watch", daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
+                                             daemon=True)
+            self._watcher.start()
             with self.failures_named():
                 rank_loop.join_group(config, init_method, rank=0)
         except BaseException:
@@ -246,6 +249,10 @@ class Workers:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self._watcher is not None:
+            # It may have reaped a worker that close() waited on: once it is done, every
+            # process's exit code is recorded (is_alive is then exact).
+            self._watcher.join(JOIN_SECONDS)
         if self.size > 1:
             torch.set_num_threads(self._num_threads)  # the caller's own again
 
