@@ -236,6 +236,9 @@ def _decode_split_kernel(
         tl.store(partial_ptrs, result, mask=head_mask[:, None])
         tl.store(partial_lse_ptr + first_rows + split, m_i + tl.log2(l_i), mask=head_mask)
         # Release these partials, then count this split in; the last one in merges them.
+        # The barrier first: one thread does the atomic, and its release must cover every
+        # thread's stores.
+        tl.debug_barrier()
         arrival_ptr = arrivals_ptr + row * tl.num_programs(1) + kv_head
         arrived = tl.atomic_add(arrival_ptr, 1, sem="acq_rel")
         num_used = tl.cdiv(seq_len, chunk)
