@@ -243,6 +243,7 @@ def _decode_split_kernel(
         arrived = tl.atomic_add(arrival_ptr, 1, sem="acq_rel")
         num_used = tl.cdiv(seq_len, chunk)
         if arrived == num_used - 1:
+            tl.debug_barrier()  # every thread's reads after the one thread's acquire
             merged = _merge_splits(partial_out_ptr, partial_lse_ptr, first_rows, num_used,
                                    head_mask, BLOCK_H, HEAD_DIM)
             tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
