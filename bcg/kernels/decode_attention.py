@@ -166,6 +166,31 @@ def _split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
+@triton.jit
+def _merge_splits(partial_out_ptr, partial_lse_ptr, first_rows, num_used, head_mask,
+                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The ``num_used`` partial outputs of each head row (from ``first_rows``), weighted by
+    their log-sum-exps: the attention over the whole sequence. Read past the L1 cache, which
+    other multiprocessors' writes do not reach."""
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for split in range(0, num_used):
+        rows = first_rows + split
+        # Padded head rows read 0: finite, and never stored.
+        lse = tl.load(partial_lse_ptr + rows, mask=head_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+                       mask=head_mask[:, None], other=0.0, cache_modifier=".cg")
+        new_m = tl.maximum(m, lse)
+        rescale = tl.exp2(m - new_m)
+        weight = tl.exp2(lse - new_m)
+        acc = acc * rescale[:, None] + part * weight[:, None]
+        total = total * rescale + weight
+        m = new_m
+    return acc / total[:, None]
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
@@ -248,31 +273,6 @@ def _decode_split_kernel(
                                    head_mask, BLOCK_H, HEAD_DIM)
             tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
             tl.store(arrival_ptr, 0)  # ready for the next call (the next layer, a replay)
-
-
-@triton.jit
-def _merge_splits(partial_out_ptr, partial_lse_ptr, first_rows, num_used, head_mask,
-                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The ``num_used`` partial outputs of each head row (from ``first_rows``), weighted by
-    their log-sum-exps: the attention over the whole sequence. Read past the L1 cache, which
-    other multiprocessors' writes do not reach."""
-    dims = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for split in range(0, num_used):
-        rows = first_rows + split
-        # Padded head rows read 0: finite, and never stored.
-        lse = tl.load(partial_lse_ptr + rows, mask=head_mask, other=0.0, cache_modifier=".cg")
-        part = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
-                       mask=head_mask[:, None], other=0.0, cache_modifier=".cg")
-        new_m = tl.maximum(m, lse)
-        rescale = tl.exp2(m - new_m)
-        weight = tl.exp2(lse - new_m)
-        acc = acc * rescale[:, None] + part * weight[:, None]
-        total = total * rescale + weight
-        m = new_m
-    return acc / total[:, None]
 
 
 _launch_split = CachedLauncher(_decode_split_kernel)
