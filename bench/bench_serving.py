@@ -60,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-args", default="--max-model-len 2048",
                         help="more `bcg serve` flags, e.g. '--decode-graph breakable'")
+    parser.add_argument("--label", default="",
+                        help="suffix of the JSON name, e.g. 'before' for a run of another "
+                        "checkout (`PYTHONPATH=<checkout> python bench/bench_serving.py`)")
     return parser.parse_args()
 
 
@@ -169,7 +172,8 @@ def main() -> None:
                 [[summary[k] for k in ("requests_per_s", "output_tok_per_s", "total_tok_per_s",
                                        "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                        "itl_p99_ms", "failed")]])
-    write_results(f"bench_serving_{args.model}", {"args": vars(args), **summary})
+    label = f"_{args.label}" if args.label else ""
+    write_results(f"bench_serving_{args.model}{label}", {"args": vars(args), **summary})
 
 
 if __name__ == "__main__":

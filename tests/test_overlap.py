@@ -107,8 +107,10 @@ def test_overlapped_steps_give_the_same_outputs(tiny, eos_model, engine_args):
 def test_overlapped_steps_on_cuda_give_the_same_outputs(tiny, eos_model):
     """On CUDA (fp32, default graphs): tokens fed on the device, ids copied through pinned
     memory and an event."""
+    # A fixed cache size: both engines live in one process, and a memory fraction would
+    # leave the second one nothing.
     plain, overlapped = engines(eos_model, device="cuda", dtype="float32", max_model_len=64,
-                                gpu_memory_utilization=0.3)
+                                kv_cache_tokens=1024)
     prompts, params = workload(tiny[1])
     for _ in range(2):
         expected = plain.generate(prompts, params, use_tqdm=False)
