@@ -17,7 +17,9 @@ Batch 1 is exact; a larger batch whose prefill takes several chunked steps start
 requests' decodes a few steps apart, which T(n) - T(1) counts as decode time.
 
 The weight-read roofline of a step is the bytes of weights one forward reads divided by the
-measured HBM bandwidth. Run: python bench/bench_decode.py [--models ...]
+measured HBM bandwidth. Run: python bench/bench_decode.py [--models ...] [--modes ...];
+`PYTHONPATH=<checkout> python bench/bench_decode.py --modes "full graph" --label before`
+measures another checkout (one from before overlapped steps runs plain steps).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     decode_weight_bytes,
+    has_overlapped_steps,
     hbm_bandwidth_gbs,
     print_table,
     require_cuda,
@@ -116,22 +119,24 @@ def tpot(llm: LLM, batch: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--label", default="", help="suffix of the JSON name (e.g. 'before')")
     args = parser.parse_args()
     require_cuda("bench_decode")
     hbm_gbs = hbm_bandwidth_gbs()
     rows, results = [], []
     for name in args.models:
-        for mode, mode_args in MODES.items():
+        for mode in args.modes:
             llm = LLM(max_model_len=1024, gpu_memory_utilization=0.6,
                       decode_graph_bs=",".join(map(str, BATCH_SIZES)), **MODELS[name],
-                      **mode_args)
+                      **engine_args(mode))
             roofline_ms = decode_weight_bytes(llm.engine.runner.model) / (hbm_gbs * 1e9) * 1e3
             for batch in BATCH_SIZES:
                 ms = measure(llm.engine, batch) * 1e3
                 tpot_s, ttft_s = tpot(llm, batch)
                 rows.append([name, mode, batch, ms, batch / ms * 1e3, ms / roofline_ms,
                              tpot_s * 1e3, ttft_s * 1e3])
-                results.append({"model": name, "mode": mode, "overlap": mode_args["overlap"],
+                results.append({"model": name, "mode": mode, "overlap": MODES[mode]["overlap"],
                                 "batch_size": batch,
                                 "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3,
                                 "roofline_ms": roofline_ms, "tpot_ms": tpot_s * 1e3,
@@ -142,9 +147,18 @@ def main() -> None:
     print_table(f"decode engine step (bf16; HBM {hbm_gbs:.0f} GB/s)",
                 ["model", "mode", "batch", "ms/step", "tok/s", "x weight-read roofline",
                  "tpot ms", "ttft ms"], rows)
-    write_results("bench_decode", {"prompt_len": PROMPT_LEN, "hbm_gbs": hbm_gbs,
-                                   "decode_steps": DECODE_STEPS, "tpot_tokens": TPOT_TOKENS,
-                                   "results": results})
+    write_results("bench_decode" + (f"_{args.label}" if args.label else ""),
+                  {"prompt_len": PROMPT_LEN, "hbm_gbs": hbm_gbs, "decode_steps": DECODE_STEPS,
+                   "tpot_tokens": TPOT_TOKENS, "rows": results})
+
+
+def engine_args(mode: str) -> dict:
+    """The engine arguments of `mode`, for the bcg on the path."""
+    args = dict(MODES[mode])
+    if not has_overlapped_steps():
+        if args.pop("overlap"):
+            raise SystemExit(f"{mode!r} needs a checkout with overlapped steps")
+    return args
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Run: python bench/bench_kernels.py [--models qwen3-0.6b qwen3-8b] [--label LABEL
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,9 +20,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import release_cuda_memory  # noqa: E402
-from common import print_table, require_cuda, synchronize, write_results  # noqa: E402
+from common import (  # noqa: E402
+    has_overlapped_steps,
+    print_table,
+    require_cuda,
+    synchronize,
+    write_results,
+)
 
-from bcg.config import EngineConfig  # noqa: E402
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
 from bcg.models.presets import PRESETS  # noqa: E402
@@ -33,9 +37,8 @@ PROMPT_LEN = 128
 
 def decode_kernels(model: str) -> Counter[str]:
     """The CUDA kernels of one eager decode forward of the stack, by name."""
-    # Plain steps, so the host has every token; a checkout before overlapped steps has none.
-    plain = {"overlap": False} if "overlap" in {f.name for f in
-                                                dataclasses.fields(EngineConfig)} else {}
+    # Plain steps, so the host has every token.
+    plain = {"overlap": False} if has_overlapped_steps() else {}
     llm = LLM(model, load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.6,
               enforce_eager=True, **plain)
     engine, runner = llm.engine, llm.engine.runner

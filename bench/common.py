@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from bcg.config import EngineConfig
 from bcg.layers.embedding import Embedding, LMHead
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -21,6 +23,12 @@ def require_cuda(name: str) -> None:
     if not torch.cuda.is_available():
         print(f"{name}: needs a CUDA device; none found, nothing measured.")
         sys.exit(0)
+
+
+def has_overlapped_steps() -> bool:
+    """Whether the bcg on the path has overlapped steps (a checkout from before them, run by
+    a bench with `--label before`, has no `overlap` and always runs plain steps)."""
+    return "overlap" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def synchronize() -> None:

@@ -25,3 +25,10 @@ def test_prompts_of_other_seeds_share_no_prefix():
     whole = bench_decode.prompts(8, "whole 8 0")
     assert all(len(p) == bench_decode.PROMPT_LEN for p in first + whole)
     assert len({p[0] for p in first + whole}) == 16
+
+
+def test_each_mode_names_its_steps_for_this_checkout():
+    """This checkout has overlapped steps: every mode says whether its steps overlap."""
+    for mode, args in bench_decode.MODES.items():
+        assert bench_decode.engine_args(mode) == args
+    assert bench_decode.engine_args("full graph, overlapped")["overlap"] is True
