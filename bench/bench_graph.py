@@ -3,7 +3,10 @@ and the `breakable-cuda-graphs` package, on a synthetic layer stack.
 
 Each layer runs a few small kernels and one with-output break doing one small kernel.
 "segment launch us" is the host time to launch one one-kernel CUDA graph from a Python loop:
-the floor under any breakable replay's cost per break.
+the floor under any breakable replay's cost per break. Each breakable mode's replay is also
+taken apart: the host time of its segment launches alone and of its break calls alone, per
+segment and per break (`segment_host_us`, `break_host_us`), each run in replay order
+without the other, so the libraries' costs beyond the body can be told apart.
 Run: python bench/bench_graph.py [--layers 32]
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -135,6 +139,27 @@ def best_of(measure: Callable[[Callable], float], steps: dict[str, Callable], re
     return {mode: min(values) for mode, values in results.items()}
 
 
+def replay_parts(replay: Callable[[], None]) -> tuple[list[Callable], list[Callable]]:
+    """The segment launches and the break calls of a breakable graph's `replay`, each in
+    replay order, as each library's replay calls them (reads private fields)."""
+    graph = replay.__self__
+    if isinstance(graph, BreakableCUDAGraph):
+        breaks = [s for s in graph._steps if isinstance(s, functools.partial)
+                  or inspect.isfunction(s)]
+        return [s for s in graph._steps if s not in breaks], breaks
+    segments = [s for s in graph._segments if isinstance(s, torch.cuda.CUDAGraph)]
+    return ([s.replay for s in segments],
+            [s.replay for s in graph._segments if not isinstance(s, torch.cuda.CUDAGraph)])
+
+
+def calls(functions: list[Callable]) -> Callable[[], None]:
+    def run() -> None:
+        for function in functions:
+            function()
+
+    return run
+
+
 def segment_launches(layers: int, x: torch.Tensor) -> Callable[[], None]:
     """`layers` CUDA graphs of one small kernel each, replayed back to back from a Python
     loop (the way bcg replays a segment): what launching the segments alone costs the host,
@@ -145,12 +170,7 @@ def segment_launches(layers: int, x: torch.Tensor) -> Callable[[], None]:
         with torch.cuda.graph(graph):
             x.mul_(1.0)
         replays.append(super(torch.cuda.CUDAGraph, graph).replay)
-
-    def run() -> None:
-        for replay in replays:
-            replay()
-
-    return run
+    return calls(replays)
 
 
 def bench_workload(workload: str, layers: int, repeats: int) -> list[dict]:
@@ -162,12 +182,20 @@ def bench_workload(workload: str, layers: int, repeats: int) -> list[dict]:
     hidden = torch.randn(tokens, width, device="cuda")
     steps["break body"] = functools.partial(break_body, hidden, torch.empty_like(hidden))
     steps["segment launches"] = segment_launches(layers, torch.randn(tokens, width, device="cuda"))
+    parts = {}  # "<mode> segments" / "<mode> breaks" -> number of calls
+    for mode in [m for m in steps if m not in ("eager", "full graph", "break body",
+                                                "segment launches")]:
+        segments, breaks = replay_parts(steps[mode])
+        steps[f"{mode} segments"], parts[f"{mode} segments"] = calls(segments), len(segments)
+        steps[f"{mode} breaks"], parts[f"{mode} breaks"] = calls(breaks), len(breaks)
     wall_ms = best_of(lambda step: time_per_call_ms(step, iters), steps, repeats)
     host_us = best_of(lambda step: host_issue_us(step, iters), steps, repeats)
     body_us = host_us.pop("break body")
     launch_us = host_us.pop("segment launches") / layers
-    wall_ms.pop("break body")
-    wall_ms.pop("segment launches")
+    for part, count in parts.items():
+        host_us[part] /= count
+    for part in ["break body", "segment launches", *parts]:
+        wall_ms.pop(part)
     rows = []
     for mode, ms in wall_ms.items():
         row = {
@@ -182,6 +210,8 @@ def bench_workload(workload: str, layers: int, repeats: int) -> list[dict]:
             row["x_full_graph"] = ms / wall_ms["full graph"]
             added = (host_us[mode] - host_us["full graph"]) / layers
             row["host_us_per_break_beyond_body"] = added - body_us
+            row["segment_host_us"] = host_us[f"{mode} segments"]
+            row["break_host_us"] = host_us[f"{mode} breaks"]
         rows.append(row)
     return rows
 
@@ -244,6 +274,8 @@ def main() -> None:
             "host us/break beyond body",
             "body host us",
             "segment launch us",
+            "its segment us",
+            "its break us",
         ],
         [
             [
@@ -255,6 +287,8 @@ def main() -> None:
                 r.get("host_us_per_break_beyond_body", "-"),
                 r["break_body_host_us"],
                 r["segment_launch_host_us"],
+                r.get("segment_host_us", "-"),
+                r.get("break_host_us", "-"),
             ]
             for r in replay
         ],
