@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -67,10 +68,17 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
+def device_name() -> str:
+    """The GPU's name, or the CPU's for a bench run without one."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU: {platform.processor() or platform.machine()}"
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     payload = {
-        "device": torch.cuda.get_device_name(),
+        "device": device_name(),
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         **payload,
