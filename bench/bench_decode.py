@@ -74,8 +74,10 @@ def prompts(batch: int, seed: str) -> list[list[int]]:
 
 
 def measure(engine: LLMEngine, batch: int) -> float:
-    """Seconds per decode step with `batch` requests decoding."""
-    params = SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + DECODE_STEPS + 2,
+    """Seconds per decode step with `batch` requests decoding. No request finishes before
+    the timed steps end: the first to start decoding does so up to `batch` steps before the
+    last (chunked prefill), and its max_tokens covers those steps too."""
+    params = SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + DECODE_STEPS + batch + 2,
                             ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in prompts(batch, "steps")]
     started: set[str] = set()

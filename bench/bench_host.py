@@ -8,7 +8,7 @@ than the device's step: compare these with `bench_decode`'s step times.
 Each case starts `batch` requests with 128-token prompts, prefills them, then times
 `STEPS` steps in which every request decodes (`step(finished_only=True)`, as
 `LLM.generate` steps), plain and overlapped. On CUDA the model is the preset (dummy
-weights, bf16); on the CPU a narrow version of it (hidden 64, vocabulary 4096), so the
+weights, bf16); on the CPU a narrow version of it (hidden 64, vocabulary 8192), so the
 head's matmul does not hide the host. JSON rows: `model`, `device`, `overlap`,
 `batch_size`, `host_ms_per_step`.
 Run: python bench/bench_host.py [--model qwen3-0.6b] [--batch-sizes 1 64 256]
@@ -37,7 +37,7 @@ WARMUP_STEPS = 8
 STEPS = 64
 CPU_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "vocab_size": 4096}
+             "vocab_size": 8192}
 
 
 def engine_for(model: str, device: str, overlap: bool, max_batch: int) -> LLMEngine:

@@ -32,3 +32,23 @@ def test_each_mode_names_its_steps_for_this_checkout():
     for mode, args in bench_decode.MODES.items():
         assert bench_decode.engine_args(mode) == args
     assert bench_decode.engine_args("full graph, overlapped")["overlap"] is True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_request_decodes_through_the_timed_steps(overlap, monkeypatch):
+    """With chunked prefill the first request decodes steps before the last one starts; none
+    may finish inside the timed window (the batch would shrink). On the CPU, stack replaced."""
+    bench_host = importlib.import_module("bench.bench_host")
+    monkeypatch.setattr(bench_decode, "DECODE_STEPS", 4)
+    engine = bench_host.engine_for("qwen3-0.6b", "cpu", overlap, max_batch=8)
+    engine.config.max_num_batched_tokens = 300  # prefill in several chunks
+    engine.scheduler.max_num_batched_tokens = 300
+    reasons = []
+    finish = engine.scheduler.finish
+    monkeypatch.setattr(engine.scheduler, "finish",
+                        lambda seq, reason: reasons.append(reason) or finish(seq, reason))
+    try:
+        assert bench_decode.measure(engine, 8) > 0
+        assert set(reasons) == {"abort"}
+    finally:
+        engine.close()
