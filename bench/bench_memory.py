@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, require_cuda, write_results  # noqa: E402
+from common import merged_rows, print_table, require_cuda, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # (preset, layers or None for the preset's own, max_num_batched_tokens)
@@ -36,11 +36,12 @@ GPU_MEMORY_UTILIZATION = 0.85
 # Runs in the child process: builds the engine from the checkout on sys.path[0] and prints
 # one JSON line. A layer count other than the preset's is a temporary preset.
 WORKER = """
-import json, logging, sys, time
+import cProfile, json, logging, pstats, sys, time
 import torch
 from bcg.engine.llm import LLM
 from bcg.models.presets import PRESETS
 model, layers, max_tokens, util = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+profile_top = int(sys.argv[5])
 if layers != "None":
     PRESETS[f"{model}-{layers}l"] = {**PRESETS[model], "num_hidden_layers": int(layers)}
     model = f"{model}-{layers}l"
@@ -55,10 +56,21 @@ class Keep(logging.Handler):
 for name in ("bcg.startup", "bcg.runner.graph_runner"):
     logging.getLogger(name).addHandler(Keep())
     logging.getLogger(name).setLevel(logging.INFO)
+profiler = cProfile.Profile() if profile_top else None
 start = time.perf_counter()
+if profiler:
+    profiler.enable()
 llm = LLM(model, load_format="dummy", max_num_batched_tokens=max_tokens,
           gpu_memory_utilization=util)
 ready_s = time.perf_counter() - start
+profile = []  # the start-up's functions by own time: where the seconds go
+if profiler:
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    for (file, line, name), (_, calls, own, total, _) in sorted(
+            stats.items(), key=lambda item: -item[1][2])[:profile_top]:
+        profile.append({"function": f"{file}:{line}({name})", "calls": calls,
+                        "own_s": own, "total_s": total})
 runner = llm.engine.runner
 print("RESULT " + json.dumps({
     "ready_s": ready_s,
@@ -67,14 +79,21 @@ print("RESULT " + json.dumps({
     "runners": [{"runner": r.kind, "pool_gib": r.pool_bytes / 2**30,
                  "capture_s": r.capture_seconds} for r in runner.graph_runners],
     "startup_log": startup_log,
+    "profile": profile,
 }))
 """
 
 
-def run_config(code: Path, model: str, layers: int | None, max_tokens: int) -> dict:
+def config_name(model: str, layers: int | None, max_tokens: int) -> str:
+    """`model@max_tokens`, with `xlayers` for a depth other than the preset's."""
+    return f"{model}@{max_tokens}" + (f"x{layers}" if layers else "")
+
+
+def run_config(code: Path, model: str, layers: int | None, max_tokens: int,
+               profile_top: int = 0) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{code}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     args = [sys.executable, "-c", WORKER, model, str(layers), str(max_tokens),
-            str(GPU_MEMORY_UTILIZATION)]
+            str(GPU_MEMORY_UTILIZATION), str(profile_top)]
     # cwd too: `python -c` puts the working directory first on sys.path.
     done = subprocess.run(args, env=env, cwd=code, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -89,16 +108,28 @@ def main() -> None:
     parser.add_argument("--code", type=Path, default=REPO, help="checkout of bcg to measure")
     parser.add_argument("--label", default="", help="suffix of the JSON name (e.g. 'before')")
     parser.add_argument("--runs", type=int, default=2, help="runs per config; the last counts")
+    parser.add_argument("--configs", nargs="+", choices=[config_name(*c) for c in CONFIGS],
+                        help="only these configurations (default: all)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the last run's start-up (cProfile) and print its N "
+                        "functions of most own time (also in the JSON's models)")
     args = parser.parse_args()
     require_cuda("bench_memory")
     rows, models = [], []
-    for model, layers, max_tokens in CONFIGS:
-        for _ in range(args.runs):
-            result = run_config(args.code.resolve(), model, layers, max_tokens)
+    configs = [c for c in CONFIGS if args.configs is None or config_name(*c) in args.configs]
+    for model, layers, max_tokens in configs:
+        for run in range(args.runs):
+            last = run == args.runs - 1
+            result = run_config(args.code.resolve(), model, layers, max_tokens,
+                                args.profile if last else 0)
         models.append({"model": model, "num_layers": result["num_layers"],
                        "max_tokens": max_tokens, "ready_s": result["ready_s"],
-                       "kv_tokens": result["kv_tokens"], "startup_log": result["startup_log"]})
+                       "kv_tokens": result["kv_tokens"], "startup_log": result["startup_log"],
+                       **({"profile": result["profile"]} if args.profile else {})})
         print("\n".join(result["startup_log"]), flush=True)
+        for entry in result["profile"]:
+            print(f"  {entry['own_s']:7.3f} s own {entry['total_s']:7.3f} s total "
+                  f"{entry['calls']:7d} calls  {entry['function'][-100:]}", flush=True)
         rows += [{"model": model, "num_layers": result["num_layers"], "max_tokens": max_tokens,
                   **r} for r in result["runners"]]
         print(f"{model} x{result['num_layers']} @{max_tokens}: "
@@ -113,8 +144,14 @@ def main() -> None:
                 [[m["model"], m["num_layers"], m["max_tokens"], m["ready_s"], m["kv_tokens"]]
                  for m in models])
     name = "bench_memory" + (f"_{args.label}" if args.label else "")
-    write_results(name, {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "rows": rows,
-                         "models": models})
+    # A subset of the configurations keeps the earlier run's rows of the others.
+    write_results(name, {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+                         "rows": merged_rows(name, rows, key=memory_key),
+                         "models": merged_rows(name, models, key=memory_key, field="models")})
+
+
+def memory_key(row: dict) -> tuple:
+    return row["model"], row["num_layers"], row["max_tokens"], row.get("runner")
 
 
 if __name__ == "__main__":

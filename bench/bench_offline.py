@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import random
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS_DIR,
+    merged_rows,
     print_table,
     require_cuda,
     synchronize,
@@ -292,7 +291,7 @@ def main() -> None:
                 print(f"\n{rows[-1]}", flush=True)
                 # Written after every mode: a later mode that fails or runs out of time keeps
                 # the finished ones.
-                write_results(name, {"rows": merged_rows(name, rows)})
+                write_results(name, {"rows": merged_rows(name, rows, offline_key)})
     print_table(f"offline throughput, {NUM_REQUESTS} requests, lengths uniform in [100, 1024]",
                 ["model", "mode", "overlap", "requests", "tok/s (in+out)", "out tok/s", "run s",
                  "start-up s"],
@@ -319,16 +318,6 @@ def throughput_row(model: str, mode: str, requests, run: dict,
 def offline_key(row: dict) -> tuple:
     return row["model"], row["mode"], row["overlap"]
 
-
-def merged_rows(name: str, rows: list[dict], key: Callable[[dict], tuple] = offline_key
-                ) -> list[dict]:
-    """`rows` plus the rows of an earlier run whose `key` (default: model, mode, overlap) no
-    row of `rows` has, so the modes of a model can be run in separate processes (a whole
-    model may not fit one time slot)."""
-    path = RESULTS_DIR / f"{name}.json"
-    earlier = json.loads(path.read_text())["rows"] if path.exists() else []
-    fresh = {key(r) for r in rows}
-    return [r for r in earlier if key(r) not in fresh] + rows
 
 if __name__ == "__main__":
     main()

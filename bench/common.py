@@ -75,6 +75,17 @@ def device_name() -> str:
     return f"CPU: {platform.processor() or platform.machine()}"
 
 
+def merged_rows(name: str, rows: list[dict], key: Callable[[dict], tuple],
+                field: str = "rows") -> list[dict]:
+    """`rows` plus the entries of `field` in an earlier run's `name` JSON whose `key` no row
+    of `rows` has, so the parts of a bench can be run in separate processes (a whole run
+    may not fit one time slot)."""
+    path = RESULTS_DIR / f"{name}.json"
+    earlier = json.loads(path.read_text()).get(field, []) if path.exists() else []
+    fresh = {key(r) for r in rows}
+    return [r for r in earlier if key(r) not in fresh] + rows
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     payload = {

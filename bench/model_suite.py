@@ -43,7 +43,6 @@ import common  # noqa: E402
 from bench_decode import measure  # noqa: E402
 from bench_offline import (  # noqa: E402
     NUM_REQUESTS,
-    merged_rows,
     on_engine,
     release_cuda_memory,
     run_bcg,
@@ -276,9 +275,9 @@ def bench_main(name: str, doc: str, setups: Mapping[str, Setup],
             continue
         # Written after each part: a run cut off keeps the finished ones.
         common.write_results(name, {"hbm_gbs": hbm_gbs,
-                                    "rows": merged_rows(name, rows, row_key)})
+                                    "rows": common.merged_rows(name, rows, row_key)})
     device = torch.cuda.get_device_name()
-    report([row for row in merged_rows(name, rows, row_key) if row["device"] == device])
+    report([row for row in common.merged_rows(name, rows, row_key) if row["device"] == device])
     if failed:
         raise SystemExit(f"{name}: failed: {', '.join(failed)} (tracebacks above)")
 

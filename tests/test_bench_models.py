@@ -111,13 +111,13 @@ def test_decode_weight_bytes_skips_only_an_untied_embedding(tied):
 
 
 def test_rows_of_a_run_replace_only_their_configs_parts(tmp_path, monkeypatch):
-    bench_offline = importlib.import_module("bench_offline")
-    monkeypatch.setattr(bench_offline, "RESULTS_DIR", tmp_path)
+    common = importlib.import_module("common")
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     earlier = [{"config": c, "part": p, "run": 1} for c in ("tp1", "tp2")
                for p in ("decode", "offline")]
     (tmp_path / "bench_x.json").write_text(json.dumps({"rows": earlier}))
     fresh = [{"config": "tp2", "part": "decode", "run": 2}]
-    merged = bench_offline.merged_rows("bench_x", fresh, model_suite.row_key)
+    merged = common.merged_rows("bench_x", fresh, model_suite.row_key)
     assert [(r["config"], r["part"], r["run"]) for r in merged] == [
         ("tp1", "decode", 1), ("tp1", "offline", 1), ("tp2", "offline", 1), ("tp2", "decode", 2)]
 
