@@ -1,11 +1,14 @@
 """The runners' concrete registries: padded tails can never touch the KV cache."""
 
+from types import SimpleNamespace
+
 import torch
 
-from bcg.forward import ForwardBatch
+from bcg.forward import ForwardBatch, ForwardContext, KVCache
+from bcg.layers.attention_backend import TritonAttention
 from bcg.runner.batch import SyntheticSequence, build_batch
 from bcg.runner.decode_graph import build_decode_registry
-from bcg.runner.prefill_graph import build_prefill_registry
+from bcg.runner.prefill_graph import PrefillGraphRunner, build_prefill_registry
 from tests.numerics import poison_registry
 
 # The decode registry writes cu_seqlens_q (0..bs) once, at allocation, never in a fill.
@@ -77,3 +80,20 @@ def test_prefill_registry_zeroes_the_token_tail():
     assert view.input_ids.tolist() == [10, 11, 0, 0]
     assert view.positions.tolist() == [2, 3, 0, 0]
     assert view.slot_mapping is batch.slot_mapping  # attention reads the live batch
+
+
+def test_a_prefill_graph_captures_no_rotary_kv_store_even_at_one_token():
+    """A prefill graph's segments serve decode and prefill batches alike, and its attention
+    break stores the live batch's keys and values: a capture, even of a one-token bucket,
+    must not look like a decode, which the backend would let rotary store itself (into the
+    capture's stand-in slots, the break then skipping its store on every replay)."""
+    cpu = torch.device("cpu")
+    backend = TritonAttention(num_heads=4, num_kv_heads=2, head_dim=8, device=cpu)
+    cache = KVCache(1, 1, 16, 2, 8, torch.float32, cpu)
+    runner = SimpleNamespace(block_size=16, device=cpu, stateful=False,
+                             registry=build_prefill_registry(cpu, max_num_tokens=16),
+                             make_context=lambda batch: ForwardContext(batch, cache, backend))
+    for size in (1, 16):
+        _, _, context = PrefillGraphRunner.capture_inputs(runner, size)
+        v = torch.zeros(size, 2, 8)
+        assert backend.kv_store_target(SimpleNamespace(layer_id=0), v, context) is None

@@ -136,6 +136,20 @@ def test_batches_beyond_the_buckets_fall_back_to_eager_and_are_counted(folder):
     assert delta == {"prefill graph": 2, "eager": 1}
 
 
+def test_a_one_token_prefill_graph_serves_decodes_that_store_their_keys(folder):
+    """Decodes of one sequence, no decode graphs: the one-token prefill graph serves them, and
+    its attention break stores their keys and values (rotary, captured on a stand-in, must
+    not have taken that store over), so the next step reads them."""
+    h = harness(folder, "eager", prefill_graph="breakable", prefill_graph_tokens="1,16")
+    steps = [[1], [1], [1]]
+    prompts = [prompt(PREFIX + len(steps), seed=11)]
+    counts = h.runner.forward_counts
+    start = counts.copy()
+    assert_same_logits(run_steps(h, prompts, steps),
+                       run_steps(harness(folder, "eager"), prompts, steps))
+    assert counts - start == {"prefill graph": 1 + len(steps)}
+
+
 def test_debug_mode_runs_every_op_eagerly(folder):
     h = harness(folder, "debug")
     for runner in h.runner.graph_runners:

@@ -66,4 +66,8 @@ class PrefillGraphRunner(GraphRunner):
                                stateful=self.stateful)
         static = self.registry.extract_buffer(padded_bs=1, padded_num_tokens=size,
                                               template=template)
+        # Never a decode, even at one token: a segment serves decode and prefill batches
+        # alike, so rotary must not take over the store that the attention break makes on
+        # the live batch (kv_store_target offers it for decodes).
+        static = dataclasses.replace(static, max_seqlen_q=max(size, 2))
         return static.input_ids, static.positions, self.make_context(static)
