@@ -120,6 +120,9 @@ class ForwardContext:
     # graphs, the live batch behind a prefill graph's break).
     state_cache: MambaStateCache | None = None
     mamba: Any = None
+    # Whether the backend may hand a decode's key/value store to rotary (one launch less):
+    # not while a prefill graph is captured, whose segments serve any later batch.
+    rotary_may_store_kv: bool = True
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("bcg_forward_context", default=None)

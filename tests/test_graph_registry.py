@@ -84,8 +84,8 @@ def test_prefill_registry_zeroes_the_token_tail():
 
 def test_a_prefill_graph_captures_no_rotary_kv_store_even_at_one_token():
     """A prefill graph's segments serve decode and prefill batches alike, and its attention
-    break stores the live batch's keys and values: a capture, even of a one-token bucket,
-    must not look like a decode, which the backend would let rotary store itself (into the
+    break stores the live batch's keys and values: a capture, even of a one-token bucket
+    (whose batch looks like a decode), must not let rotary store them itself (into the
     capture's stand-in slots, the break then skipping its store on every replay)."""
     cpu = torch.device("cpu")
     backend = TritonAttention(num_heads=4, num_kv_heads=2, head_dim=8, device=cpu)

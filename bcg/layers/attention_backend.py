@@ -82,9 +82,10 @@ class TritonAttention(AttentionBackend):
 
     def kv_store_target(self, layer: AttentionLayer, v: torch.Tensor,
                         context: ForwardContext) -> KVStore | None:
-        """A decode step's: one launch less per layer. Not a prefill's, whose graphs are
-        captured before the cache exists (their attention break stores)."""
-        if not context.batch.is_decode:
+        """A decode step's: one launch less per layer. Not a prefill's, and none while a
+        prefill graph is captured (even of a one-token bucket): its segments serve any later
+        batch and are captured before the cache exists, so its attention break stores."""
+        if not (context.rotary_may_store_kv and context.batch.is_decode):
             return None
         return (v, *context.kv_cache.layer(layer.layer_id), context.batch.slot_mapping)
 

@@ -66,8 +66,8 @@ class PrefillGraphRunner(GraphRunner):
                                stateful=self.stateful)
         static = self.registry.extract_buffer(padded_bs=1, padded_num_tokens=size,
                                               template=template)
-        # Never a decode, even at one token: a segment serves decode and prefill batches
-        # alike, so rotary must not take over the store that the attention break makes on
-        # the live batch (kv_store_target offers it for decodes).
-        static = dataclasses.replace(static, max_seqlen_q=max(size, 2))
-        return static.input_ids, static.positions, self.make_context(static)
+        # A segment serves every batch that fits, decodes included, and is captured before
+        # the cache exists: the attention break stores the live batch's keys and values,
+        # never rotary inside the segment.
+        context = dataclasses.replace(self.make_context(static), rotary_may_store_kv=False)
+        return static.input_ids, static.positions, context
