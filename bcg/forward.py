@@ -125,6 +125,10 @@ class ForwardContext:
     rotary_may_store_kv: bool = True
 
 
+# Where a step's new keys and values go, for a kernel that stores them beside its own work
+# (rotary, in decode steps): (v, k_cache, v_cache, slot_mapping), as `store_kv` takes them.
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 _current: ContextVar[ForwardContext | None] = ContextVar("bcg_forward_context", default=None)
 
 

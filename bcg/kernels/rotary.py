@@ -16,15 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.forward import KVStore
 from bcg.kernels._launch import (
     CachedLauncher,
     next_power_of_2,
     require_last_dim_contiguous,
 )
 from bcg.kernels.kv_store import check_kv_store
-
-# (v, k_cache, v_cache, slot_mapping), as `store_kv` takes them with k.
-KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def apply_rotary(

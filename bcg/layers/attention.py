@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bcg.forward import get_forward_context
+from bcg.forward import KVStore, get_forward_context
 from bcg.graph import bridge_buffer
-from bcg.layers.attention_backend import KVStore
 from bcg.layers.step_op import step_op
 
 

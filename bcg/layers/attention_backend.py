@@ -15,13 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
-from bcg.forward import ForwardBatch, ForwardContext
+from bcg.forward import ForwardBatch, ForwardContext, KVStore
 from bcg.layers import triton_ops
 from bcg.layers.attention_ref import paged_attention_ref
 from bcg.layers.attention_ref import store_kv as store_kv_ref
-
-# Where a step's new keys and values go: (v, k_cache, v_cache, slot_mapping).
-KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class AttentionLayer(Protocol):

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
+from bcg.forward import KVStore
 from bcg.layers import triton_ops
-from bcg.layers.attention_backend import KVStore
 from bcg.layers.norm import RMSNorm
 from bcg.layers.triton_ops import use_fused_kernels
 

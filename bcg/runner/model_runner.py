@@ -273,7 +273,7 @@ class ModelRunner:
             self._fill_pending_tokens(batch, plan.pending_rows)
         hidden_states = self.forward(batch)
         if plan.prompt_rows:
-            rows = torch.frombuffer(plan.prompt_rows, dtype=torch.int64).to(self.device)
+            rows = upload_longs(plan.prompt_rows, self.device)
             for start in range(0, len(rows), self.max_num_seqs):
                 logits = self.model.compute_logits(
                     hidden_states[rows[start : start + self.max_num_seqs]])
