@@ -76,8 +76,12 @@ print("RESULT " + json.dumps({
     "ready_s": ready_s,
     "num_layers": runner.model_config.num_hidden_layers,
     "kv_tokens": runner.num_kv_blocks * runner.block_size,
+    # warm-up fields: None for a checkout before warm-ups on demand
     "runners": [{"runner": r.kind, "pool_gib": r.pool_bytes / 2**30,
-                 "capture_s": r.capture_seconds} for r in runner.graph_runners],
+                 "capture_s": r.capture_seconds,
+                 "warm_up_s": getattr(r, "warm_up_seconds", None),
+                 "warmed_buckets": len(getattr(r, "warmed_sizes", r.buckets)),
+                 "buckets": len(r.buckets)} for r in runner.graph_runners],
     "startup_log": startup_log,
     "profile": profile,
 }))
@@ -132,14 +136,16 @@ def main() -> None:
                   f"{entry['calls']:7d} calls  {entry['function'][-100:]}", flush=True)
         rows += [{"model": model, "num_layers": result["num_layers"], "max_tokens": max_tokens,
                   **r} for r in result["runners"]]
-        print(f"{model} x{result['num_layers']} @{max_tokens}: "
-              f"{ {k: v for k, v in result.items() if k != 'startup_log'} }", flush=True)
+        summary = {k: v for k, v in result.items() if k not in ("startup_log", "profile")}
+        print(f"{model} x{result['num_layers']} @{max_tokens}: {summary}", flush=True)
     print_table(
         f"graph pools and start-up ({args.code.resolve().name}; gpu_memory_utilization "
         f"{GPU_MEMORY_UTILIZATION})",
-        ["model", "layers", "max tokens", "runner", "pool GiB", "capture s"],
+        ["model", "layers", "max tokens", "runner", "pool GiB", "capture s", "warm-up s",
+         "warmed buckets"],
         [[r["model"], r["num_layers"], r["max_tokens"], r["runner"], r["pool_gib"],
-          r["capture_s"]] for r in rows])
+          r["capture_s"], r.get("warm_up_s"), f"{r.get('warmed_buckets')} of {r.get('buckets')}"]
+         for r in rows])
     print_table("ready", ["model", "layers", "max tokens", "ready s", "KV tokens"],
                 [[m["model"], m["num_layers"], m["max_tokens"], m["ready_s"], m["kv_tokens"]]
                  for m in models])

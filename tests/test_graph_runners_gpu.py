@@ -7,9 +7,12 @@ error of logits (max |graph - eager| / max |eager|): 3e-2, bf16's rounding; the 
 run on both sides, so all but the compiled (piecewise) stack agree far closer.
 """
 
+import gc
+
 import pytest
 import torch
 
+from bcg.kernels._launch import CachedLauncher
 from bcg.runner.graph_verify import verify_graphs
 from tests.hf_tiny import VOCAB, PagedHarness, save_tiny_model
 from tests.numerics import relative_error
@@ -110,6 +113,22 @@ def test_every_bucket_replays_in_random_order_like_eager(folder):
     assert (decode.kind, prefill.kind) == ("decode", "prefill")
     assert decode.pool is prefill.pool  # decode graphs reuse the prefill graphs' scratch
     assert prefill.pool_bytes > 0 and decode.capture_seconds > 0 and prefill.capture_seconds > 0
+
+
+@pytest.mark.parametrize("mode", ["full+breakable", "breakable decode"])
+def test_a_capture_that_meets_an_uncompiled_kernel_warms_up_and_captures_again(folder, mode):
+    """Only the largest bucket is warmed up before capture; a capture whose kernel variant
+    is not yet compiled (a capture cannot load one) is abandoned, its bucket run eagerly
+    once, and captured again. Forced here by forgetting every compiled variant."""
+    h = harness(folder, mode)
+    for runner in h.runner.graph_runners:
+        size = runner.buckets[0]
+        runner.warmed_sizes.discard(size)
+        for launcher in (o for o in gc.get_objects() if isinstance(o, CachedLauncher)):
+            launcher.compiled.clear()
+        runner.graphs[size] = runner._capture_warmed(size, runner.capture_inputs(size))
+        assert size in runner.warmed_sizes
+    verify_graphs(h.runner)  # every bucket, the recaptured ones included, equals eager
 
 
 def test_decode_graphs_without_prefill_graphs_measure_their_own_pool(folder):

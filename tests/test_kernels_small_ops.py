@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from bcg.graph import CaptureNeedsWarmUp, abandon_capture
+from bcg.kernels._launch import CachedLauncher
 from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention_ref import store_kv as store_kv_ref
 from bcg.layers.norm import RMSNorm
@@ -183,3 +185,28 @@ def test_cached_launch_tells_alignments_apart() -> None:
     aligned, misaligned = flat[:-1].view(rows, width), flat[1:].view(rows, width)
     for x in (aligned, misaligned, aligned, misaligned):
         assert relative_error(activation.silu_and_mul(x), SiluAndMul()(cpu32(x))) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_a_new_variant_under_capture_asks_for_a_warm_up(monkeypatch) -> None:
+    """A capture cannot load a kernel: a variant's first launch during capture raises
+    before recording anything, and once launched eagerly the same call captures."""
+    fresh = CachedLauncher(activation._silu_and_mul_kernel)
+    monkeypatch.setattr(activation, "_launch_silu_and_mul", fresh)
+    x = rand(5, 128, generator=torch.Generator().manual_seed(9))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        with pytest.raises(CaptureNeedsWarmUp, match="_silu_and_mul_kernel"):
+            activation.silu_and_mul(x)
+        abandon_capture(graph)
+        expected = activation.silu_and_mul(x)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        out = activation.silu_and_mul(x)
+        graph.capture_end()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)

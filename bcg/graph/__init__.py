@@ -6,7 +6,12 @@ This layer depends on torch only and knows nothing about language models.
 from bcg.graph.breaks import break_graph, eager_on_graph, fork_stream, mark_break_output
 from bcg.graph.bridge import BridgeBuffers, bridge_buffer, use_bridge_buffers
 from bcg.graph.buffer_pool import clear_shared_buffers, share_buffer
-from bcg.graph.capture import BreakableCUDAGraphCapture, abandon_capture, current_capture
+from bcg.graph.capture import (
+    BreakableCUDAGraphCapture,
+    CaptureNeedsWarmUp,
+    abandon_capture,
+    current_capture,
+)
 from bcg.graph.context import (
     enable_breakable_cuda_graph,
     get_current_replay_token,
@@ -21,6 +26,7 @@ from bcg.graph.slots import FillContext, GraphSlot, PaddingPolicy
 __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
+    "CaptureNeedsWarmUp",
     "abandon_capture",
     "BridgeBuffers",
     "FillContext",

@@ -324,6 +324,12 @@ class BreakableCUDAGraphCapture:
             self._restore.pop()()
 
 
+class CaptureNeedsWarmUp(RuntimeError):
+    """Raised by code that meets, during a capture, work a capture forbids (compiling or
+    loading a kernel: `cuModuleLoadData` is refused while a stream captures). The caller
+    abandons the capture, runs the same inputs eagerly once, and captures again."""
+
+
 def abandon_capture(graph: Any) -> None:
     """End the capture of a CUDA graph whose capture failed midway, so the caller's error
     stands. If ending fails too (the capture was invalidated), torch's generators are left

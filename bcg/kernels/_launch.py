@@ -10,6 +10,8 @@ from typing import Generic, TypeVar
 import torch
 import triton
 
+from bcg.graph import CaptureNeedsWarmUp
+
 # Programs per multiprocessor that keep a memory-bound kernel's loads in flight.
 PROGRAMS_PER_SM = 4
 # The interpreter has no multiprocessors; pretend to have a few so split paths run in tests.
@@ -71,7 +73,8 @@ class CachedLauncher:
     the rest, and hands the launcher raw addresses (so it skips its per-pointer driver
     query). A key's first call, misaligned pointers and every call under the interpreter go
     through ``JITFunction.run`` (counted in ``slow_launches``); launch hooks (profilers such
-    as proton) see only those.
+    as proton) see only those. A key's first call during a CUDA graph capture, which would
+    compile or load a kernel, raises ``CaptureNeedsWarmUp`` instead.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
@@ -106,11 +109,16 @@ class CachedLauncher:
         key = (device, tuple([t.dtype for t in tensors]), constants, num_warps, num_stages)
         compiled = None if misaligned else self.compiled.get(key)
         if compiled is None:
-            compiled = self._launch_through_triton(
+            if misaligned:  # Triton specialises on which pointers are 16-byte aligned
+                key = (*key, tuple([address % 16 == 0 for address in addresses]))
+            if key not in self.compiled and torch.cuda.is_current_stream_capturing():
+                raise CaptureNeedsWarmUp(
+                    f"{self.kernel} meets a new variant during a CUDA graph capture; run the "
+                    "captured code once eagerly first"
+                )
+            self.compiled[key] = self._launch_through_triton(
                 grid, tensors, scalars, constexprs, num_warps, num_stages
             )
-            if not misaligned:
-                self.compiled[key] = compiled
             return
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         compiled.run(

@@ -31,6 +31,7 @@ from bcg.graph import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BridgeBuffers,
+    CaptureNeedsWarmUp,
     abandon_capture,
     eager_on_graph,
     enable_breakable_cuda_graph,
@@ -120,12 +121,13 @@ class GraphRunner:
         self.graphs: dict[int, CapturedStack] = {}
         self.stream = torch.cuda.Stream(self.device)  # one capture stream for every bucket
         self.bridges = BridgeBuffers()  # what crosses a break, shared by every layer
-        self._warmed: set[int] = set()  # sizes whose warm-up ran
+        self.warmed_sizes: set[int] = set()  # sizes whose warm-up ran
         # Tensor-parallel ranks capture the same buckets in the same order, and meet at every
         # graph break, so no rank's capture runs ahead of the collectives of another's.
         tp = tensor_parallel()
         self.barrier_fn = tp.barrier if tp.size > 1 else None
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # warm-ups included
+        self.warm_up_seconds = 0.0
         self.pool_bytes = 0
 
     @property
@@ -157,32 +159,40 @@ class GraphRunner:
         self.graphs.clear()
 
     def capture_all(self) -> None:
-        """Warm every bucket up, then capture them all, largest first so smaller ones reuse
-        the pool's blocks. Garbage is collected and the device synchronised once per runner,
-        not per bucket; the garbage collector is frozen meanwhile."""
+        """Capture every bucket, largest first so smaller ones reuse the pool's blocks.
+        Only the largest is warmed up beforehand (lazily made workspaces then land outside
+        the pool); another is warmed up only if its capture meets a kernel variant not yet
+        compiled, which a capture cannot load. A piecewise stack compiles per size, so
+        each of its sizes is warmed up. Garbage is collected and the device synchronised
+        once per runner, not per bucket; the garbage collector is frozen meanwhile."""
         reserved = settled_reserved_bytes(self.device)
         sizes = sorted(self.buckets, reverse=True)
+        self.warm_up_seconds = 0.0
         start = time.perf_counter()
         with frozen_gc():
-            inputs = self._warm_up(sizes)
-            warmed = time.perf_counter()
+            inputs = {size: self.capture_inputs(size) for size in sizes}
+            for size in sizes if self.mode == "piecewise" else sizes[:1]:
+                self._warm_up(size, inputs[size])
             desc = f"capturing {self.kind} graphs ({self.mode})"
             for size in tqdm(sizes, desc=desc, unit="graph", leave=False):
-                self.graphs[size] = self._capture(*inputs[size])
+                self.graphs[size] = self._capture_warmed(size, inputs[size])
             torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = settled_reserved_bytes(self.device) - reserved
-        logger.info("%s graphs (%s): %d buckets %s in %.2f s (warm-up %.2f s, capture %.2f s), "
-                    "graph pool %.3f GiB", self.kind, self.mode, len(sizes), self.buckets,
-                    self.capture_seconds, warmed - start, self.capture_seconds - (warmed - start),
-                    self.pool_bytes / 2**30)
+        warm_up = self.warm_up_seconds
+        logger.info("%s graphs (%s): %d buckets %s in %.2f s (warm-up of %d in %.2f s, capture "
+                    "%.2f s), graph pool %.3f GiB", self.kind, self.mode, len(sizes),
+                    self.buckets, self.capture_seconds, len(self.warmed_sizes), warm_up,
+                    self.capture_seconds - warm_up, self.pool_bytes / 2**30)
 
     def measure_pool_bytes(self) -> int:
         """Pool memory the graphs will take, from a throw-away capture of the largest bucket
         (smaller buckets reuse its blocks), so the KV cache can be sized around it."""
         reserved = settled_reserved_bytes(self.device)
         with frozen_gc():
-            captured = self._capture(*self._warm_up([self.max_size])[self.max_size])
+            inputs = self.capture_inputs(self.max_size)
+            self._warm_up(self.max_size, inputs)
+            captured = self._capture_warmed(self.max_size, inputs)
         # Settled first: the warm-up's freed activations are cache, not pool.
         used = settled_reserved_bytes(self.device) - reserved
         del captured
@@ -190,23 +200,31 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()  # the measured pool is gone
         return used
 
+    def _capture_warmed(self, size: int, inputs: tuple) -> CapturedStack:
+        """Capture `size`; if the capture meets a kernel it cannot load, warm up and retry."""
+        try:
+            return self._capture(*inputs)
+        except CaptureNeedsWarmUp:
+            if size in self.warmed_sizes:
+                raise
+        self._warm_up(size, inputs)
+        return self._capture(*inputs)
+
     @torch.inference_mode()
-    def _warm_up(self, sizes: list[int]) -> dict[int, tuple]:
-        """Run the stack once per size before any capture, on the capture stream: every
-        kernel variant is compiled (Triton specialises on sizes) and every lazily made
-        workspace allocated (cuBLAS keeps one per stream) outside the graph pool. Returns
-        each size's capture inputs."""
-        inputs = {}
-        with torch.cuda.stream(self.stream), use_bridge_buffers(self.bridges):
-            for size in sizes:
-                inputs[size] = input_ids, positions, context = self.capture_inputs(size)
-                if size in self._warmed:  # by measure_pool_bytes
-                    continue
-                with set_forward_context(context), enable_breakable_cuda_graph(self.mode != "full"):
-                    self.stack(input_ids, positions)
-                self._warmed.add(size)
-        torch.cuda.synchronize(self.device)
-        return inputs
+    def _warm_up(self, size: int, inputs: tuple) -> None:
+        """Run the stack once on `size`'s capture inputs, on the capture stream: its kernel
+        variants are compiled (Triton specialises on sizes) and lazily made workspaces
+        allocated (cuBLAS keeps one per stream) outside the graph pool. The capture that follows
+        runs on the same stream, so nothing waits for the device here."""
+        if size in self.warmed_sizes:  # by measure_pool_bytes
+            return
+        start = time.perf_counter()
+        input_ids, positions, context = inputs
+        with (torch.cuda.stream(self.stream), use_bridge_buffers(self.bridges),
+              set_forward_context(context), enable_breakable_cuda_graph(self.mode != "full")):
+            self.stack(input_ids, positions)
+        self.warmed_sizes.add(size)
+        self.warm_up_seconds += time.perf_counter() - start
 
     @torch.inference_mode()
     def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor,
