@@ -8,9 +8,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
+install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site "$@"
+}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  # One bad wheel (say a split file joined without its first half) fails pip's whole call:
+  # then install them one by one, so the others still arrive, and name the bad one.
+  if ! install_wheels .whl/*.whl 2>/dev/null; then
+    for wheel in .whl/*.whl; do
+      install_wheels "$wheel" 2>/dev/null || echo "gpu_check: could not install $wheel"
+    done
+  fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
