@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     decode_weight_bytes,
     has_overlapped_steps,
     hbm_bandwidth_gbs,
+    merged_rows,
     print_table,
     require_cuda,
     synchronize,
@@ -149,9 +150,15 @@ def main() -> None:
     print_table(f"decode engine step (bf16; HBM {hbm_gbs:.0f} GB/s)",
                 ["model", "mode", "batch", "ms/step", "tok/s", "x weight-read roofline",
                  "tpot ms", "ttft ms"], rows)
-    write_results("bench_decode" + (f"_{args.label}" if args.label else ""),
-                  {"prompt_len": PROMPT_LEN, "hbm_gbs": hbm_gbs, "decode_steps": DECODE_STEPS,
-                   "tpot_tokens": TPOT_TOKENS, "rows": results})
+    name = "bench_decode" + (f"_{args.label}" if args.label else "")
+    # A subset of the models or modes keeps the earlier run's rows of the others.
+    write_results(name, {"prompt_len": PROMPT_LEN, "hbm_gbs": hbm_gbs,
+                         "decode_steps": DECODE_STEPS, "tpot_tokens": TPOT_TOKENS,
+                         "rows": merged_rows(name, results, key=decode_key)})
+
+
+def decode_key(row: dict) -> tuple:
+    return row["model"], row["mode"], row["batch_size"]
 
 
 def engine_args(mode: str) -> dict:
