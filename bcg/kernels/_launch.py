@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -58,6 +59,19 @@ def last_dim_not_contiguous(name: str, strides: tuple[int, ...]) -> ValueError:
         f"{name} must have a contiguous last dimension (stride 1), got strides "
         f"{strides}; pass {name}.contiguous()"
     )
+
+
+def hash_triton_in_background() -> None:
+    """Start, in a thread, the hash of Triton's own files that its first kernel lookup in a
+    process waits for (libtriton is over 400 MB: about 0.35 s on the H100 host), so it runs
+    while weights load; hashlib releases the GIL. Triton caches the result per process."""
+    import triton.compiler.compiler
+    import triton.runtime.cache
+
+    triton_key = getattr(triton.runtime.cache, "triton_key", None) or getattr(
+        triton.compiler.compiler, "triton_key", None)  # where older Triton kept it
+    if triton_key is not None:
+        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
 
 
 class CachedLauncher:

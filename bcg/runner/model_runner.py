@@ -36,6 +36,7 @@ from bcg.forward import (
     MambaStateCache,
     set_forward_context,
 )
+from bcg.kernels._launch import hash_triton_in_background
 from bcg.layers.attention_backend import attention_backend
 from bcg.layers.mamba_backend import mamba_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
@@ -97,6 +98,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
+        if self.device.type == "cuda":
+            hash_triton_in_background()
         with startup_step(f"weights ({config.load_format})"):
             # Before the model is built: its MoE layers take their experts by this setting.
             set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch)
