@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
+import triton.runtime.cache
 from torch import nn
 
 from bcg.graph import CaptureNeedsWarmUp, abandon_capture
+from bcg.kernels import _launch as launch
 from bcg.kernels._launch import CachedLauncher
 from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention_ref import store_kv as store_kv_ref
@@ -210,3 +214,21 @@ def test_a_new_variant_under_capture_asks_for_a_warm_up(monkeypatch) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+def test_triton_hashes_itself_once_in_the_background(monkeypatch) -> None:
+    """Start-up hashes Triton's files in a thread; a kernel's first launch waits for that
+    thread instead of hashing a second time."""
+    hashed = []
+
+    def slow_triton_key() -> None:
+        time.sleep(0.05)
+        hashed.append(threading.current_thread().name)
+
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", slow_triton_key)
+    monkeypatch.setattr(launch, "_triton_hashing", None)
+    launch.hash_triton_in_background()
+    fresh = CachedLauncher(activation._silu_and_mul_kernel)
+    monkeypatch.setattr(activation, "_launch_silu_and_mul", fresh)
+    activation.silu_and_mul(rand(3, 128, generator=torch.Generator().manual_seed(4)))
+    assert hashed == ["triton-key"]

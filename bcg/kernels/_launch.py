@@ -61,17 +61,23 @@ def last_dim_not_contiguous(name: str, strides: tuple[int, ...]) -> ValueError:
     )
 
 
+_triton_hashing: threading.Thread | None = None  # see hash_triton_in_background
+
+
 def hash_triton_in_background() -> None:
     """Start, in a thread, the hash of Triton's own files that its first kernel lookup in a
     process waits for (libtriton is over 400 MB: about 0.35 s on the H100 host), so it runs
-    while weights load; hashlib releases the GIL. Triton caches the result per process."""
+    while weights load; hashlib releases the GIL. Triton caches the result per process, but
+    a second caller during the hash would hash again: a kernel's first launch joins it."""
+    global _triton_hashing
     import triton.compiler.compiler
     import triton.runtime.cache
 
     triton_key = getattr(triton.runtime.cache, "triton_key", None) or getattr(
         triton.compiler.compiler, "triton_key", None)  # where older Triton kept it
-    if triton_key is not None:
-        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
+    if triton_key is not None and _triton_hashing is None:
+        _triton_hashing = threading.Thread(target=triton_key, name="triton-key", daemon=True)
+        _triton_hashing.start()
 
 
 class CachedLauncher:
@@ -147,6 +153,8 @@ class CachedLauncher:
     ) -> object:
         """The ordinary launch (compiling if needed); returns Triton's compiled kernel."""
         self.slow_launches += 1
+        if _triton_hashing is not None:
+            _triton_hashing.join()
         if self.compiles and list(constexprs) != self.constexpr_names:
             raise TypeError(
                 f"{self.kernel}: pass constexprs in signature order {self.constexpr_names}"
