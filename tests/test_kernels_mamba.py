@@ -38,7 +38,7 @@ def make(rows: list[tuple[int, int, int]], shapes: dict, dtype: torch.dtype,
                             dtype=dtype)
 
 
-def run(batch: MambaBatch, decode: bool, ops) -> tuple[torch.Tensor, ...]:
+def run(batch: MambaBatch, decode: bool, ops, chunk_size: int) -> tuple[torch.Tensor, ...]:
     """(activated, y, conv_state, ssm_state) of the conv then the scan through `ops`
     (conv, conv_update, scan, state_update), on copies of the states."""
     conv_state, ssm_state = batch.conv_state.clone(), batch.ssm_state.clone()
@@ -54,7 +54,7 @@ def run(batch: MambaBatch, decode: bool, ops) -> tuple[torch.Tensor, ...]:
     if decode:
         ops[3](*common, ssm_state, batch.seq_lens, batch.state_slots, y)
     else:
-        ops[2](*common, 8, ssm_state, batch.cu_seqlens, batch.seq_lens, batch.state_slots, y)
+        ops[2](*common, chunk_size, ssm_state, batch.cu_seqlens, batch.seq_lens, batch.state_slots, y)
     return activated, y, conv_state, ssm_state
 
 
@@ -64,20 +64,23 @@ REFERENCES = (mamba_ref.causal_conv1d_ref, mamba_ref.causal_conv1d_update_ref,
               mamba_ref.ssd_scan_ref, mamba_ref.selective_state_update_ref)
 
 
-def compare(batch: MambaBatch, decode: bool, tolerance: float) -> None:
-    ours = run(batch, decode, KERNELS)
-    expected = run(batch, decode, REFERENCES)
+def compare(batch: MambaBatch, decode: bool, tolerance: float, chunk_size: int = 8) -> None:
+    ours = run(batch, decode, KERNELS, chunk_size)
+    expected = run(batch, decode, REFERENCES, chunk_size)
     names = ("activated", "y", "conv_state", "ssm_state")
     for name, mine, ref in zip(names, ours, expected, strict=True):
         assert not mine.isnan().any(), f"{name}: rows left unwritten"
         assert relative_error(mine, ref) <= tolerance, name
 
 
+# The kernel's chunk follows chunk_size up to its own: 16, 32 and 64 tokens on the GPU.
+@pytest.mark.parametrize("chunk_size", [8, 32, 128])
 @pytest.mark.parametrize("run_config", RUNS)
-def test_prefill_varlen(run_config):
+def test_prefill_varlen(run_config, chunk_size):
     dtype, tolerance = run_config
     shapes = LARGE if ON_GPU else SMALL
-    compare(make(PREFILL, shapes, dtype, seed=0), decode=False, tolerance=tolerance)
+    compare(make(PREFILL, shapes, dtype, seed=0), decode=False, tolerance=tolerance,
+            chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("run_config", RUNS)
@@ -100,4 +103,4 @@ def test_prefill_one_long_sequence_nemotron_8b_heads():
     """One 1000-token prompt over a cached state, 8B's per-rank shapes at tp 2."""
     shapes = dict(heads=64, head_dim=64, groups=4, state_size=128, taps=4, num_slots=2)
     compare(make([(1000, 16, 1)], shapes, torch.bfloat16, seed=2), decode=False,
-            tolerance=2e-2)
+            tolerance=2e-2, chunk_size=128)

@@ -1,4 +1,5 @@
-"""KV store, RMSNorm (+ residual), rotary and SiLU-and-mul kernels against the layers."""
+"""KV store, RMSNorm (+ residual), gated RMSNorm, rotary, SiLU-and-mul and squared-ReLU kernels
+against the layers."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from torch import nn
 from bcg.graph import CaptureNeedsWarmUp, abandon_capture
 from bcg.kernels import _launch as launch
 from bcg.kernels._launch import CachedLauncher
-from bcg.layers.activation import SiluAndMul
+from bcg.layers.activation import ReluSquared, SiluAndMul
 from bcg.layers.attention_ref import store_kv as store_kv_ref
-from bcg.layers.norm import RMSNorm
+from bcg.layers.norm import GatedRMSNorm, RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
 from tests.kernels_support import DEVICE, DTYPE, ON_GPU, TOLERANCE, import_kernels
 from tests.numerics import relative_error
@@ -101,6 +102,26 @@ def test_add_rms_norm_matches_layer(num_tokens: int) -> None:
     assert relative_error(out, expected_out) <= TOLERANCE
 
 
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("width,group_size", [(256, 64), (1024, 1024), (384, 96)], ids=str)
+def test_gated_rms_norm_matches_layer(num_tokens: int, width: int, group_size: int) -> None:
+    """Mamba2's output norm, its gate a strided view into the projection (as in the mixer)."""
+    generator = torch.Generator().manual_seed(width + group_size)
+    layer = GatedRMSNorm(width, group_size, eps=1e-5, local_size=width).to(DEVICE, DTYPE)
+    layer.weight.copy_(rand(width, generator=generator))
+    projected = rand(num_tokens, 3 * width, generator=generator)
+    gate = projected[:, width : 2 * width]
+    x = rand(num_tokens, width, generator=generator)
+    out = rmsnorm.gated_rms_norm(x, gate, layer.weight, group_size, layer.eps)
+    assert relative_error(out, reference(layer)(cpu32(x), cpu32(gate))) <= TOLERANCE
+
+
+def test_gated_rms_norm_rejects_a_width_not_in_groups() -> None:
+    x = torch.zeros(2, 100, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        rmsnorm.gated_rms_norm(x, x, x[0], 64, 1e-5)
+
+
 def test_per_head_rms_norm_on_strided_view() -> None:
     """Qwen3's q/k norm: per-head RMSNorm over a view into the fused qkv output."""
     q, _, _ = fused_qkv(NUM_TOKENS[-1], 8, 2, 128, seed=4)
@@ -179,6 +200,16 @@ def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
     x = rand(num_tokens, 2 * intermediate, generator=torch.Generator().manual_seed(3))
     out = activation.silu_and_mul(x)
     assert relative_error(out, SiluAndMul()(cpu32(x))) <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("width", [64, 1000, 3072])
+def test_relu_squared_matches_layer_in_place(num_tokens: int, width: int) -> None:
+    x = rand(num_tokens, width, generator=torch.Generator().manual_seed(width))
+    expected = ReluSquared()(cpu32(x))
+    out = activation.relu_squared(x, out=x)
+    assert out is x
+    assert relative_error(out, expected) <= TOLERANCE
 
 
 @pytest.mark.gpu

@@ -34,7 +34,8 @@ class ScanConfig:
 
 
 # 8 warps on the GPU: the state, B and C tiles of a 64-token chunk are 64 fp32 registers
-# per thread each at 4 warps.
+# per thread each at 4 warps. Chunks of up to SMALL_CHUNK tokens (short sequences) take 4.
+SMALL_CHUNK = 32
 CONFIGS = DeviceConfigs(gpu=ScanConfig(chunk=64, max_block_p=64, num_warps=8),
                         interpreter=ScanConfig(chunk=16, max_block_p=16, num_warps=1))
 
@@ -63,8 +64,9 @@ def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
                     dt_limit: tuple[float, float], chunk_size: int, ssm_state: torch.Tensor,
                     cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
                     out: torch.Tensor) -> None:
-    """As `bcg.layers.mamba_ref.ssd_scan_ref` (`chunk_size`, the model's, is not needed:
-    the kernel steps by its own chunk length)."""
+    """As `bcg.layers.mamba_ref.ssd_scan_ref`. The kernel steps by its own chunk length (the
+    math is exact for any), at most `chunk_size` rounded up: a batch of short sequences
+    passes its longest, so a chunk is not mostly padding."""
     heads, head_dim, groups, state_size = _shapes(x, B, ssm_state, out)
     if C.stride() != B.stride():
         raise ValueError("B and C must share one layout")
@@ -73,16 +75,17 @@ def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
     if num_seqs == 0 or x.shape[0] == 0:
         return
     block_p = min(max(16, next_power_of_2(head_dim)), config.max_block_p)
+    chunk = min(config.chunk, max(16, next_power_of_2(chunk_size)))
     _launch_scan(
         (num_seqs, heads, cdiv(head_dim, block_p)),
         (x, dt, A, B, C, D, dt_bias, ssm_state, cu_seqlens, seq_lens, state_slots, out),
         _dt_bounds(dt_limit),
         {"HEADS": heads, "HEAD_DIM": head_dim, "HEADS_PER_GROUP": heads // groups,
          "STATE": state_size, "STRIDE_X": x.stride(0), "STRIDE_DT": dt.stride(0),
-         "STRIDE_B": B.stride(0), "STRIDE_OUT": out.stride(0), "CHUNK": config.chunk,
+         "STRIDE_B": B.stride(0), "STRIDE_OUT": out.stride(0), "CHUNK": chunk,
          "BLOCK_P": block_p, "BLOCK_N": max(16, next_power_of_2(state_size)),
          "DOT_PRECISION": _dot_precision(x.dtype)},
-        num_warps=config.num_warps,
+        num_warps=config.num_warps if chunk > SMALL_CHUNK else min(4, config.num_warps),
     )
 
 

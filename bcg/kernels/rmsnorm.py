@@ -1,7 +1,9 @@
-"""RMSNorm over the last dimension, optionally fused with the residual add before it.
+"""RMSNorm over the last dimension, optionally fused with the residual add before it; Mamba2's
+gated RMSNorm.
 
-Rounding follows ``bcg.layers.norm.RMSNorm``: normalise in fp32, round to the input dtype,
-then scale by the weight; the fused residual sum is rounded before it is normalised.
+Rounding follows ``bcg.layers.norm``: RMSNorm normalises in fp32, rounds to the input dtype,
+then scales by the weight, and the fused residual sum is rounded before it is normalised; the
+gated norm stays in fp32 from the gate to the weight and rounds once.
 """
 
 from __future__ import annotations
@@ -153,3 +155,63 @@ def _rms_norm_kernel(
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
+                   eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * g / rms(g)`` with ``g = x * silu(gate)``, the rms over each group of
+    ``group_size`` channels (Mamba2's output norm), in fp32 and rounded once.
+
+    Args:
+        x, gate: ``[tokens, width]``, last dim contiguous (gate may be a strided view).
+        weight: ``[width]``; ``width`` a multiple of ``group_size``.
+        eps: added to the mean square.
+        out: ``[tokens, width]`` in ``x.dtype`` (allocated if None).
+
+    Returns ``out``.
+    """
+    if x.dim() != 2 or gate.shape != x.shape or weight.shape != x.shape[-1:] \
+            or x.shape[1] % group_size:
+        raise ValueError(f"expected x and gate [tokens, width] and weight [width] with width a "
+                         f"multiple of {group_size}; got x {tuple(x.shape)}, gate "
+                         f"{tuple(gate.shape)}, weight {tuple(weight.shape)}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    for name, tensor in (("x", x), ("gate", gate), ("out", out), ("weight", weight)):
+        require_last_dim_contiguous(name, tensor)
+    num_tokens, width = x.shape
+    if num_tokens == 0:
+        return out
+    block = next_power_of_2(group_size)
+    _launch_gated_rms_norm(
+        (num_tokens, width // group_size),
+        (x, gate, weight, out),
+        (float(eps),),
+        {"GROUP": group_size, "STRIDE_X": x.stride(0), "STRIDE_GATE": gate.stride(0),
+         "STRIDE_OUT": out.stride(0), "BLOCK": block},
+        num_warps=min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD))),
+    )
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, gate_ptr, weight_ptr, out_ptr, eps,
+    GROUP: tl.constexpr,
+    STRIDE_X: tl.constexpr,
+    STRIDE_GATE: tl.constexpr,
+    STRIDE_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < GROUP
+    x = tl.load(x_ptr + token * STRIDE_X + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + token * STRIDE_GATE + cols, mask=mask, other=0.0).to(tl.float32)
+    gated = x * (gate * tl.sigmoid(gate))
+    inv_rms = tl.rsqrt(tl.sum(gated * gated, 0) / GROUP + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * STRIDE_OUT + cols,
+             (gated * inv_rms * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_launch_gated_rms_norm = CachedLauncher(_gated_rms_norm_kernel)

@@ -1,4 +1,4 @@
-"""Gated activation of the MLP."""
+"""The MLPs' activations: SiLU-and-mul (gated, Llama/Qwen) and squared ReLU (NemotronH)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,13 @@ class SiluAndMul(nn.Module):
             return triton_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class ReluSquared(nn.Module):
+    """`relu(x) ** 2`; on the fused kernel in place (`x` is the up projection's output, read
+    by nothing else)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x):
+            return triton_ops.relu_squared(x, out=x)
+        return torch.relu(x).square()

@@ -88,8 +88,10 @@ class MambaBackend:
             self.ops.state_update(x, dt, layer.A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
                                   ssm_state, batch.seq_lens, batch.state_slots, y)
         else:
+            # No chunk longer than the batch's longest sequence: the rest would be padding.
+            chunk_size = min(layer.chunk_size, batch.max_seqlen_q)
             self.ops.scan(x, dt, layer.A, B, C, layer.D, layer.dt_bias, layer.dt_limit,
-                          layer.chunk_size, ssm_state, batch.cu_seqlens_q, batch.seq_lens,
+                          chunk_size, ssm_state, batch.cu_seqlens_q, batch.seq_lens,
                           batch.state_slots, y)
 
 

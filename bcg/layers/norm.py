@@ -50,6 +50,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(local_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x):
+            return triton_ops.gated_rms_norm(x, gate, self.weight, self.group_size, self.eps)
         gated = x.float() * F.silu(gate.float())
         groups = gated.view(*gated.shape[:-1], -1, self.group_size)
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)

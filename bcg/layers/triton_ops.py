@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 
 try:
-    from bcg.kernels.activation import silu_and_mul
+    from bcg.kernels.activation import relu_squared, silu_and_mul
     from bcg.kernels.decode_attention import decode_attention, plan_decode
     from bcg.kernels.extend_attention import extend_attention
     from bcg.kernels.fused_moe import fused_experts as fused_experts_kernel
     from bcg.kernels.kv_store import store_kv
     from bcg.kernels.mamba_conv import causal_conv1d_update, causal_conv1d_varlen
     from bcg.kernels.mamba_scan import selective_state_update, ssd_scan_varlen
-    from bcg.kernels.rmsnorm import add_rms_norm, rms_norm
+    from bcg.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
     from bcg.kernels.rotary import apply_rotary
 
     HAVE_TRITON = True
@@ -28,9 +28,9 @@ except ImportError:
     HAVE_TRITON = False
 
 __all__ = ["add_rms_norm", "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen",
-           "decode_attention", "extend_attention", "fused_experts", "plan_decode", "rms_norm",
-           "selective_state_update", "silu_and_mul", "ssd_scan_varlen", "store_kv",
-           "use_fused_kernels", "uses_moe_kernel", "uses_triton"]
+           "decode_attention", "extend_attention", "fused_experts", "gated_rms_norm",
+           "plan_decode", "relu_squared", "rms_norm", "selective_state_update", "silu_and_mul",
+           "ssd_scan_varlen", "store_kv", "use_fused_kernels", "uses_moe_kernel", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:

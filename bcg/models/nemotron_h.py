@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from bcg.layers.activation import ReluSquared
 from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.mamba_mixer import MambaMixer2
@@ -29,9 +30,10 @@ class NemotronHMLP(nn.Module):
                                             bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias)
+        self.act_fn = ReluSquared()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        return self.down_proj(self.act_fn(self.up_proj(x)))
 
 
 class NemotronHBlock(nn.Module):
