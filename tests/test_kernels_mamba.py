@@ -54,7 +54,8 @@ def run(batch: MambaBatch, decode: bool, ops, chunk_size: int) -> tuple[torch.Te
     if decode:
         ops[3](*common, ssm_state, batch.seq_lens, batch.state_slots, y)
     else:
-        ops[2](*common, chunk_size, ssm_state, batch.cu_seqlens, batch.seq_lens, batch.state_slots, y)
+        ops[2](*common, chunk_size, ssm_state, batch.cu_seqlens, batch.seq_lens,
+               batch.state_slots, y)
     return activated, y, conv_state, ssm_state
 
 
