@@ -31,6 +31,8 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax routing: the `top_k` most probable experts of each token and their
     probabilities (fp32), rescaled to sum to one if `renormalize` (`norm_topk_prob`)."""
+    if triton_ops.use_fused_kernels(router_logits):
+        return triton_ops.route_top_k(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:

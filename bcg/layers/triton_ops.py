@@ -20,6 +20,7 @@ try:
     from bcg.kernels.kv_store import store_kv
     from bcg.kernels.mamba_conv import causal_conv1d_update, causal_conv1d_varlen
     from bcg.kernels.mamba_scan import selective_state_update, ssd_scan_varlen
+    from bcg.kernels.moe_routing import route_top_k
     from bcg.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
     from bcg.kernels.rotary import apply_rotary
 
@@ -29,8 +30,9 @@ except ImportError:
 
 __all__ = ["add_rms_norm", "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen",
            "decode_attention", "extend_attention", "fused_experts", "gated_rms_norm",
-           "plan_decode", "relu_squared", "rms_norm", "selective_state_update", "silu_and_mul",
-           "ssd_scan_varlen", "store_kv", "use_fused_kernels", "uses_moe_kernel", "uses_triton"]
+           "plan_decode", "relu_squared", "rms_norm", "route_top_k", "selective_state_update",
+           "silu_and_mul", "ssd_scan_varlen", "store_kv", "use_fused_kernels", "uses_moe_kernel",
+           "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:

@@ -1,0 +1,45 @@
+"""The one-launch softmax top-k routing against PyTorch's (`select_experts` on the CPU).
+
+Without a GPU the kernel runs in Triton's interpreter on fp32 logits; on a GPU on bf16
+logits, as a router's linear gives them. Equal probabilities may be picked in either order
+by PyTorch, so the ids are compared through the probabilities they pick."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bcg.layers.fused_moe import select_experts
+from tests.kernels_support import DEVICE, DTYPE, ON_GPU, import_kernels
+
+moe_routing = import_kernels("moe_routing")
+
+# (tokens, experts, top-k): Qwen3-30B-A3B's 128 / 8, a non-power-of-two expert count and
+# top-k, one expert per token.
+SHAPES = [(1, 128, 8), (13, 60, 6), (7, 8, 2), (5, 16, 1)] + ([(512, 128, 8)] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "raw"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_routing_matches_select_experts(shape: tuple, renormalize: bool) -> None:
+    num_tokens, num_experts, top_k = shape
+    generator = torch.Generator().manual_seed(num_experts + top_k)
+    logits = torch.randn(num_tokens, num_experts, generator=generator).to(DEVICE, DTYPE)
+    weights, ids = moe_routing.route_top_k(logits, top_k, renormalize)
+    expected_weights, expected_ids = select_experts(logits.cpu().float(), top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    ids, weights = ids.cpu().long(), weights.cpu()
+    assert all(len(set(row.tolist())) == top_k for row in ids), "an expert picked twice"
+    probs = torch.softmax(logits.cpu().float(), dim=-1)
+    torch.testing.assert_close(probs.gather(1, ids), probs.gather(1, expected_ids.long()))
+    torch.testing.assert_close(weights, expected_weights)
+
+
+def test_routing_rejects_more_choices_than_experts() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        moe_routing.route_top_k(torch.zeros(2, 4, device=DEVICE), 5, True)
+
+
+def test_no_tokens_route_nowhere() -> None:
+    weights, ids = moe_routing.route_top_k(torch.zeros(0, 8, device=DEVICE), 2, True)
+    assert weights.shape == ids.shape == (0, 2)
