@@ -96,7 +96,7 @@ class ExpertAlignment:
 # Up to this many choices (decode steps) one program aligns them in one launch; larger
 # steps use a dozen parallel PyTorch ops, whose launches a long step amortises.
 ONE_LAUNCH_ALIGN_CHOICES = 1024
-ALIGN_CHUNK = 64  # choices the one-launch kernel reads at a time
+ALIGN_CHUNK = 64  # most choices the one-launch kernel reads at a time
 
 
 def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
@@ -154,7 +154,10 @@ def _align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
          alignment.tile_experts, alignment.num_padded),
         (num_choices,),
         {"NUM_EXPERTS": num_experts, "NUM_TILES": num_tiles, "BLOCK_M": block_m,
-         "GROUPS": next_power_of_2(num_experts + 1), "CHUNK": ALIGN_CHUNK},
+         "GROUPS": next_power_of_2(num_experts + 1),
+         # A decode step's few choices in a chunk their size: its [chunk, groups] one-hot
+         # sums are the kernel's work.
+         "CHUNK": min(ALIGN_CHUNK, max(16, next_power_of_2(num_choices)))},
         num_warps=8,
         num_stages=1,
     )
