@@ -43,3 +43,12 @@ def test_routing_rejects_more_choices_than_experts() -> None:
 def test_no_tokens_route_nowhere() -> None:
     weights, ids = moe_routing.route_top_k(torch.zeros(0, 8, device=DEVICE), 2, True)
     assert weights.shape == ids.shape == (0, 2)
+
+
+def test_a_nan_logit_still_routes_to_distinct_experts_in_range() -> None:
+    """A broken router must not send the grouped GEMMs out of bounds."""
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE, DTYPE)
+    logits[1, 5] = float("nan")
+    _, ids = moe_routing.route_top_k(logits, 4, True)
+    assert ids.min() >= 0 and ids.max() < 16
+    assert all(len(set(row.tolist())) == 4 for row in ids.cpu())

@@ -58,7 +58,9 @@ def _route_kernel(
                      other=float("-inf")).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, 0))
     probs = exps / tl.sum(exps, 0)
-    remaining = tl.where(valid, probs, -1.0)  # padding lanes are never picked
+    # NaNs (a broken router's) rank below every probability, padding lanes and picked experts
+    # below everything: each id is distinct and in range whatever the logits.
+    remaining = tl.where(valid, tl.where(probs == probs, probs, -1.0), float("-inf"))
     k = tl.arange(0, BLOCK_K)
     picked = tl.zeros([BLOCK_K], dtype=tl.float32)
     picked_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -68,7 +70,7 @@ def _route_kernel(
         best_id = tl.min(tl.where(remaining == best, experts, BLOCK_E), 0)
         picked = tl.where(k == i, best, picked)
         picked_ids = tl.where(k == i, best_id, picked_ids)
-        remaining = tl.where(experts == best_id, -1.0, remaining)
+        remaining = tl.where(experts == best_id, float("-inf"), remaining)
     if RENORMALIZE:
         picked = picked / tl.sum(picked, 0)
     tl.store(weights_ptr + token * TOP_K + k, picked, mask=k < TOP_K)
