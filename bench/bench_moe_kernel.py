@@ -32,7 +32,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from bcg.kernels.fused_moe import MoETiles, fused_experts, moe_tiles  # noqa: E402
+from bcg.kernels.fused_moe import DECODE_TILES, MoETiles, fused_experts, moe_tiles  # noqa: E402
 from bcg.layers.fused_moe import select_experts  # noqa: E402
 
 # name -> (experts, top-k, hidden, intermediate held by one rank)
@@ -44,9 +44,12 @@ SHAPES = {
 TOKENS = [1, 8, 64, 512, 4096]
 ROUTINGS = 8
 DTYPE = torch.bfloat16
-# block_m, block_n, block_k, group_m, warps, stages (64 configs: each compiles once)
-TUNE_GRID = list(itertools.product([16, 32, 64, 128], [64, 128], [64, 128], [8], [4, 8],
-                                   [3, 4]))
+# block_m, block_n, block_k, group_m, warps, stages; each config compiles once. Decode-sized
+# steps stream weights (narrow column tiles spread them over more programs, long K tiles
+# keep loads in flight); prefill-sized ones are compute-bound GEMMs.
+DECODE_TUNE_GRID = list(itertools.product([16], [32, 64, 128], [128, 256], [1], [4, 8],
+                                          [3, 4, 5]))
+PREFILL_TUNE_GRID = list(itertools.product([64, 128], [64, 128], [64], [8], [4, 8], [3, 4]))
 
 
 @dataclass
@@ -123,11 +126,14 @@ def measure(shape: str, token_counts: list[int],
 
 
 def tune(shape: str) -> dict[int, MoETiles]:
-    """The fastest tile config per token count (prints the top 3 of each)."""
+    """The fastest tile config per token count (prints the top 5 of each)."""
     best = {}
+    num_experts, top_k = SHAPES[shape][:2]
     for num_tokens in TOKENS:
+        decode_sized = (moe_tiles(num_tokens * top_k, num_experts, on_cuda=True)
+                        == DECODE_TILES.for_device(True))
         timings = []
-        for candidate in TUNE_GRID:
+        for candidate in DECODE_TUNE_GRID if decode_sized else PREFILL_TUNE_GRID:
             tiles = MoETiles(*candidate)
             try:
                 [row] = measure(shape, [num_tokens], {num_tokens: tiles})
@@ -138,7 +144,7 @@ def tune(shape: str) -> dict[int, MoETiles]:
         timings.sort()
         best[num_tokens] = MoETiles(*timings[0][1])
         print_table(f"tune {shape}, {num_tokens} tokens (block_m/n/k, group_m, warps, stages)",
-                    ["config", "ms"], [[str(c), ms] for ms, c in timings[:3]])
+                    ["config", "ms"], [[str(c), ms] for ms, c in timings[:5]])
     return best
 
 
