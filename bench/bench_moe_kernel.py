@@ -41,7 +41,7 @@ SHAPES = {
     "235b-tp8": (128, 8, 4096, 1536 // 8),
     "235b-ep8": (128 // 8, 8, 4096, 1536),  # top-8 of 128 globally; here ids of 16 local
 }
-TOKENS = [1, 8, 64, 512, 4096]
+TOKENS = [1, 8, 64, 512, 2048, 4096]
 ROUTINGS = 8
 DTYPE = torch.bfloat16
 # block_m, block_n, block_k, group_m, warps, stages; each config compiles once. Decode-sized

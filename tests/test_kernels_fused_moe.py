@@ -43,8 +43,9 @@ def reference(hidden_states, gate_up, down, topk_weights, topk_ids) -> torch.Ten
                              topk_weights, topk_ids)
 
 
-# (tokens, experts, top-k): one token, a few, and enough per expert for the prefill tiles.
-CPU_SHAPES = [(1, 8, 2), (7, 8, 3), (13, 5, 2), (40, 4, 2)]
+# (tokens, experts, top-k): one token, a few, and enough per expert for the prefill tiles
+# and for the long-prefill ones.
+CPU_SHAPES = [(1, 8, 2), (7, 8, 3), (13, 5, 2), (40, 4, 2), (150, 4, 2)]
 
 
 @pytest.fixture(params=["one-launch", "torch"])
@@ -77,6 +78,25 @@ def test_experts_of_other_ranks_add_nothing(align_path):
     assert relative_error(fused_moe.fused_experts(*case), reference(*case)) <= tolerance
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("ids", [
+    [[6, 1, 3]], [[-1, 1, 3]], [[6, 1, 3], [1, 2, 6]], [[-1, 1, 3], [1, -1, -1]],
+], ids=["one token", "one token, other ranks", "two tokens", "two tokens, other ranks"])
+def test_few_tokens_run_a_tile_per_choice_without_alignment(monkeypatch, ids):
+    """A step of one or two tokens skips the sort (a tile per choice, experts shared by the
+    tokens read twice): the sums of the aligned tiles."""
+    hidden_states, gate_up, down, topk_weights, _ = make_case(len(ids), 8, 3, 64, 48, seed=11)
+    topk_ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+    case = (hidden_states, gate_up, down, topk_weights, topk_ids)
+    assert fused_moe.align_to_experts(topk_ids, 8, 16).one_choice_per_tile
+    one_per_tile = fused_moe.fused_experts(*case)
+    monkeypatch.setattr(fused_moe, "ONE_CHOICE_PER_TILE_TOKENS", 0)
+    assert not fused_moe.align_to_experts(topk_ids, 8, 16).one_choice_per_tile
+    tolerance = CPU_TOLERANCE if DTYPE == torch.float32 else BF16_TOLERANCE
+    assert relative_error(one_per_tile, fused_moe.fused_experts(*case)) <= tolerance
+    assert relative_error(one_per_tile, reference(*case)) <= tolerance
+
+
 def test_alignment_groups_every_choice_under_its_expert(align_path):
     topk_ids = torch.tensor([[2, 0], [2, -1], [1, 2], [2, 0], [-1, 1]], dtype=torch.int32)
     block_m = 4
@@ -96,7 +116,7 @@ def test_alignment_groups_every_choice_under_its_expert(align_path):
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [
-    (1, 128, 8, 16), (9, 6, 3, 16), (70, 8, 2, 32), (130, 128, 8, 16),
+    (3, 128, 8, 16), (9, 6, 3, 16), (70, 8, 2, 32), (130, 128, 8, 16),
 ])
 def test_both_alignments_are_identical(monkeypatch, num_tokens, num_experts, top_k, block_m):
     ids = make_case(num_tokens, num_experts, top_k, 8, 8, seed=num_tokens)[4]
@@ -132,7 +152,8 @@ def test_kernel_matches_reference_bf16(num_tokens, num_experts, top_k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [64, 512])  # aligned in one launch / by PyTorch ops
+# A tile per choice, aligned in one launch, aligned by PyTorch ops.
+@pytest.mark.parametrize("num_tokens", [1, 64, 512])
 def test_kernel_replays_in_a_cuda_graph_with_new_routing(num_tokens):
     """Captured once, replayed on another routing: no host sync, no shape from the data."""
     case = make_case(num_tokens, 128, 8, 2048, 768, seed=1, dtype=torch.bfloat16,

@@ -4,7 +4,8 @@
    to a multiple of the row tile, so every row tile belongs to one expert. It runs on the
    device with no host sync, into shapes fixed by (tokens, top-k, experts, tile): a CUDA
    graph captured for a token count serves any routing. Decode-sized steps align in one
-   kernel launch, larger ones with a dozen PyTorch ops.
+   kernel launch, larger ones with a dozen PyTorch ops; a one-token step needs no alignment
+   (a tile per choice).
 2. A grouped GEMM multiplies each tile's token rows by its expert's `gate_up` weight.
 3. SiLU-and-mul (`bcg.kernels.activation`).
 4. The same GEMM by the expert's `down` weight, scaled by the routing weight of each choice.
@@ -42,21 +43,27 @@ class MoETiles:
     num_stages: int
 
 
-# Untuned defaults (to tune on the H100). Decode-sized steps route a few tokens to each
-# expert: short row tiles waste little on padding, long K tiles stream the weights. Prefill
-# steps fill larger tiles. The interpreter's small tiles make CPU tests cross tile edges.
+# Tuned on the H100 (bench/bench_moe_kernel.py --tune, Qwen3-30B-A3B's experts), by the
+# mean choices per expert. Decode-sized steps route a few tokens to each expert: short row
+# tiles waste little on padding and the weights stream through. Prefill steps fill larger
+# tiles: 64 rows at 512 tokens (32 choices per expert), 128 rows from 2048 tokens on (13%
+# faster there). The interpreter's small tiles make CPU tests cross tile edges.
 DECODE_TILES = DeviceConfigs(gpu=MoETiles(16, 64, 128, 1, 4, 4),
                              interpreter=MoETiles(16, 32, 32, 1, 4, 1))
 PREFILL_TILES = DeviceConfigs(gpu=MoETiles(64, 128, 64, 8, 4, 3),
                               interpreter=MoETiles(32, 32, 32, 2, 4, 1))
-# Above this many choices per expert on average, the prefill tiles.
-DECODE_CHOICES_PER_EXPERT = 16
+LONG_PREFILL_TILES = DeviceConfigs(gpu=MoETiles(128, 128, 64, 8, 8, 3),
+                                   interpreter=MoETiles(64, 32, 32, 2, 4, 1))
+DECODE_CHOICES_PER_EXPERT = 16  # up to this mean, the decode tiles
+PREFILL_CHOICES_PER_EXPERT = 64  # up to this mean, the prefill tiles; above, the long ones
 
 
 def moe_tiles(num_choices: int, num_experts: int, on_cuda: bool) -> MoETiles:
-    configs = (DECODE_TILES if num_choices <= DECODE_CHOICES_PER_EXPERT * num_experts
-               else PREFILL_TILES)
-    return configs.for_device(on_cuda)
+    if num_choices <= DECODE_CHOICES_PER_EXPERT * num_experts:
+        return DECODE_TILES.for_device(on_cuda)
+    if num_choices <= PREFILL_CHOICES_PER_EXPERT * num_experts:
+        return PREFILL_TILES.for_device(on_cuda)
+    return LONG_PREFILL_TILES.for_device(on_cuda)
 
 
 def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -91,6 +98,14 @@ class ExpertAlignment:
     tile_experts: torch.Tensor  # [capacity / block_m] int32: expert of each row tile, or -1
     num_padded: torch.Tensor  # [1] int32: rows in use (tiles past it are empty)
     num_choices: int
+    # Tile i holds choice i alone (its first row); sorted_choices and num_padded are unused.
+    one_choice_per_tile: bool = False
+
+
+# Steps of up to this many tokens skip the alignment: a token's top-k experts are distinct,
+# so a tile per choice reads each expert's weights about once, without the sort's launch
+# (H100, 30B-A3B's experts: 41 vs 46 us at 1 token, 67 vs 71 at 2; no gain at 4, a loss at 8).
+ONE_CHOICE_PER_TILE_TOKENS = 2
 
 
 # Up to this many choices (decode steps) one program aligns them in one launch; larger
@@ -104,6 +119,10 @@ def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     the order of their index, each group padded to a multiple of `block_m` rows; all on the
     device, no host sync."""
     num_choices = topk_ids.numel()
+    if topk_ids.shape[0] <= ONE_CHOICE_PER_TILE_TOKENS:
+        tile_experts = topk_ids.to(torch.int32).flatten()
+        return ExpertAlignment(tile_experts, tile_experts, tile_experts, num_choices,
+                               one_choice_per_tile=True)
     # Each non-empty group pads fewer than block_m rows and holds at least one choice.
     capacity = min(num_choices + (num_experts + 1) * (block_m - 1), num_choices * block_m)
     num_tiles = cdiv(capacity, block_m)
@@ -248,6 +267,7 @@ def _grouped_gemm(
          "STRIDE_EXPERT": weight.stride(0), "STRIDE_WEIGHT_N": weight.stride(1),
          "STRIDE_OUT": out.stride(0), "ROWS_PER_INPUT": rows_per_input,
          "SCALE_BY_WEIGHT": scale_by_weight, "ZERO_SKIPPED": scale_by_weight,
+         "ONE_CHOICE_PER_TILE": alignment.one_choice_per_tile,
          "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
          "GROUP_M": tiles.group_m},
         num_warps=tiles.num_warps,
@@ -269,6 +289,7 @@ def _grouped_gemm_kernel(
     ROWS_PER_INPUT: tl.constexpr,
     SCALE_BY_WEIGHT: tl.constexpr,
     ZERO_SKIPPED: tl.constexpr,
+    ONE_CHOICE_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -283,12 +304,14 @@ def _grouped_gemm_kernel(
     rows_in_group = tl.minimum(num_tiles_m - first_m, GROUP_M)
     tile_m = first_m + (pid % group_size) % rows_in_group
     tile_n = (pid % group_size) // rows_in_group
-    if tile_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    choices = tl.load(sorted_choices_ptr + offs_m)
-    row_mask = choices < num_choices
+    if ONE_CHOICE_PER_TILE:
+        choices = tile_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        row_mask = tl.arange(0, BLOCK_M) == 0
+    else:
+        if tile_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        choices = tl.load(sorted_choices_ptr + tile_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = choices < num_choices
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     out_ptrs = out_ptr + choices.to(tl.int64)[:, None] * STRIDE_OUT + offs_n[None, :]
