@@ -97,6 +97,15 @@ def test_few_tokens_run_a_tile_per_choice_without_alignment(monkeypatch, ids):
     assert relative_error(one_per_tile, reference(*case)) <= tolerance
 
 
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 1, 300), (3, 8, 600), (2, 3, 5)])
+def test_choices_sum_as_pytorch_sums_them(num_tokens, top_k, hidden):
+    rows = torch.randn(num_tokens, top_k, hidden, generator=torch.Generator().manual_seed(0))
+    rows = rows.to(DEVICE, DTYPE)
+    expected = rows.float().sum(dim=1)
+    tolerance = CPU_TOLERANCE if DTYPE == torch.float32 else BF16_TOLERANCE
+    assert relative_error(fused_moe._sum_choices(rows), expected) <= tolerance
+
+
 def test_alignment_groups_every_choice_under_its_expert(align_path):
     topk_ids = torch.tensor([[2, 0], [2, -1], [1, 2], [2, 0], [-1, 1]], dtype=torch.int32)
     block_m = 4

