@@ -74,6 +74,26 @@ def test_decode_split_counts_agree(num_splits: int) -> None:
     assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
 
 
+@pytest.mark.parametrize("splits_per_load", [1, 2])
+def test_the_merge_loads_a_few_splits_at_a_time(monkeypatch: pytest.MonkeyPatch,
+                                                splits_per_load: int) -> None:
+    """Splits merged in loads of one or two (three in use: a partial last load), a group of
+    three heads (a padded head row)."""
+    head_shape = HEAD_SHAPES[2]
+    monkeypatch.setattr(decode, "MERGE_LOAD_VALUES", splits_per_load * 4 * head_shape[2])
+    generator = torch.Generator().manual_seed(17)
+    plan = decode.plan_decode(3, *head_shape[:3], DEVICE, num_splits=64)
+    batch = decode_batch(random_lengths(3, generator), head_shape, generator)
+    assert_matches(run_decode(batch, out=poisoned_like(batch.q), plan=plan), batch)
+    assert not plan.arrivals.any()
+
+
+@pytest.mark.parametrize("num_splits", [0, 65])
+def test_split_counts_past_the_merge_are_refused(num_splits: int) -> None:
+    with pytest.raises(ValueError, match="num_splits"):
+        decode.plan_decode(1, *HEAD_SHAPES[1][:3], DEVICE, num_splits=num_splits)
+
+
 def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan's split count follows its batch size (one split for large batches); each call
     is one launch (the last split merges), with the same constexprs whatever the count."""
