@@ -275,7 +275,7 @@ def _decode_split_kernel(
     result = acc / l_i[:, None]
     out_ptrs = out_ptr + row * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD + dims[None, :]
     # A runtime branch, not a constexpr: the splits in use follow the sequence length (a
-    # sequence of one tile needs no merge, whatever the split count).
+    # sequence within one split's chunk needs no merge, whatever the split count).
     num_used = tl.cdiv(seq_len, chunk)
     if num_used == 1:
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])

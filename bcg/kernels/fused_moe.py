@@ -4,8 +4,8 @@
    to a multiple of the row tile, so every row tile belongs to one expert. It runs on the
    device with no host sync, into shapes fixed by (tokens, top-k, experts, tile): a CUDA
    graph captured for a token count serves any routing. Decode-sized steps align in one
-   kernel launch, larger ones with a dozen PyTorch ops; a one-token step needs no alignment
-   (a tile per choice).
+   kernel launch, larger ones with a dozen PyTorch ops; a step of one or two tokens needs
+   no alignment (a tile per choice).
 2. A grouped GEMM multiplies each tile's token rows by its expert's `gate_up` weight.
 3. SiLU-and-mul (`bcg.kernels.activation`).
 4. The same GEMM by the expert's `down` weight, scaled by the routing weight of each choice.
