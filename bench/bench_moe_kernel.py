@@ -44,11 +44,12 @@ SHAPES = {
 TOKENS = [1, 8, 64, 512, 2048, 4096]
 ROUTINGS = 8
 DTYPE = torch.bfloat16
-# block_m, block_n, block_k, group_m, warps, stages; each config compiles once. Decode-sized
+# block_m, block_n, block_k, group_m, warps, stages (and for decode, SiLU-and-mul fused into
+# the first GEMM); each config compiles once. Decode-sized
 # steps stream weights (narrow column tiles spread them over more programs, long K tiles
 # keep loads in flight); prefill-sized ones are compute-bound GEMMs.
 DECODE_TUNE_GRID = list(itertools.product([16], [32, 64, 128], [128, 256], [1], [4, 8],
-                                          [3, 4, 5]))
+                                          [3, 4, 5], [False, True]))
 PREFILL_TUNE_GRID = list(itertools.product([64, 128], [64, 128], [64], [8], [4, 8], [3, 4]))
 
 
@@ -143,7 +144,8 @@ def tune(shape: str) -> dict[int, MoETiles]:
             timings.append((row["ms"], candidate))
         timings.sort()
         best[num_tokens] = MoETiles(*timings[0][1])
-        print_table(f"tune {shape}, {num_tokens} tokens (block_m/n/k, group_m, warps, stages)",
+        print_table(f"tune {shape}, {num_tokens} tokens (block_m/n/k, group_m, warps, stages"
+                    f"{', fused' if decode_sized else ''})",
                     ["config", "ms"], [[str(c), ms] for ms, c in timings[:5]])
     return best
 

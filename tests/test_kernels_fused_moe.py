@@ -65,6 +65,18 @@ def test_kernel_matches_reference(shape, align_path):
     assert relative_error(out, reference(*case)) <= tolerance
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_activation_inside_the_first_gemm_matches_it_apart(num_tokens):
+    """SiLU-and-mul fused into the gate/up GEMM (decode tiles) or a launch of its own."""
+    case = make_case(num_tokens, 8, 3, hidden=64, intermediate=48, seed=num_tokens)
+    tile_shape = (16, 32, 32, 1, 4, 1)
+    fused = fused_moe.fused_experts(*case, tiles=fused_moe.MoETiles(*tile_shape, True))
+    apart = fused_moe.fused_experts(*case, tiles=fused_moe.MoETiles(*tile_shape, False))
+    tolerance = CPU_TOLERANCE if DTYPE == torch.float32 else BF16_TOLERANCE
+    assert relative_error(fused, apart) <= tolerance
+    assert relative_error(fused, reference(*case)) <= tolerance
+
+
 # The rows of skipped choices between the GEMMs are never written: the interpreter may
 # overflow on what memory they hold.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

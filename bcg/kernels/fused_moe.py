@@ -7,7 +7,7 @@
    kernel launch, larger ones with a dozen PyTorch ops; a step of one or two tokens needs
    no alignment (a tile per choice).
 2. A grouped GEMM multiplies each tile's token rows by its expert's `gate_up` weight.
-3. SiLU-and-mul (`bcg.kernels.activation`).
+3. SiLU-and-mul (`bcg.kernels.activation`; inside step 2 for decode-sized tiles).
 4. The same GEMM by the expert's `down` weight, scaled by the routing weight of each choice.
 5. The top-k rows of each token are summed.
 
@@ -41,6 +41,10 @@ class MoETiles:
     group_m: int  # row tiles that walk the output columns together (L2 reuse)
     num_warps: int
     num_stages: int
+    # SiLU-and-mul inside the first GEMM (gate and up columns of a tile side by side, two
+    # accumulators): one launch and one [choices, 2 * I] round trip fewer; the second
+    # accumulator costs registers that large tiles lack.
+    fuse_activation: bool = False
 
 
 # Tuned on the H100 (bench/bench_moe_kernel.py --tune, Qwen3-30B-A3B's experts), by the
@@ -48,8 +52,8 @@ class MoETiles:
 # tiles waste little on padding and the weights stream through. Prefill steps fill larger
 # tiles: 64 rows at 512 tokens (32 choices per expert), 128 rows from 2048 tokens on (13%
 # faster there). The interpreter's small tiles make CPU tests cross tile edges.
-DECODE_TILES = DeviceConfigs(gpu=MoETiles(16, 64, 128, 1, 4, 4),
-                             interpreter=MoETiles(16, 32, 32, 1, 4, 1))
+DECODE_TILES = DeviceConfigs(gpu=MoETiles(16, 64, 128, 1, 4, 4, fuse_activation=True),
+                             interpreter=MoETiles(16, 32, 32, 1, 4, 1, fuse_activation=True))
 PREFILL_TILES = DeviceConfigs(gpu=MoETiles(64, 128, 64, 8, 4, 3),
                               interpreter=MoETiles(32, 32, 32, 2, 4, 1))
 LONG_PREFILL_TILES = DeviceConfigs(gpu=MoETiles(128, 128, 64, 8, 8, 3),
@@ -82,10 +86,15 @@ def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torc
     tiles = tiles or moe_tiles(num_choices, num_experts, hidden_states.is_cuda)
     alignment = align_to_experts(topk_ids, num_experts, tiles.block_m)
     weights = topk_weights.to(torch.float32).contiguous()
-    gate_up_out = hidden_states.new_empty(num_choices, double_intermediate)
-    _grouped_gemm(hidden_states, gate_up.contiguous(), gate_up_out, weights, alignment, tiles,
-                  rows_per_input=top_k, scale_by_weight=False)
-    activated = silu_and_mul(gate_up_out)
+    if tiles.fuse_activation:
+        activated = hidden_states.new_empty(num_choices, double_intermediate // 2)
+        _grouped_gemm(hidden_states, gate_up.contiguous(), activated, weights, alignment,
+                      tiles, rows_per_input=top_k, scale_by_weight=False, gated=True)
+    else:
+        gate_up_out = hidden_states.new_empty(num_choices, double_intermediate)
+        _grouped_gemm(hidden_states, gate_up.contiguous(), gate_up_out, weights, alignment,
+                      tiles, rows_per_input=top_k, scale_by_weight=False)
+        activated = silu_and_mul(gate_up_out)
     down_out = hidden_states.new_empty(num_choices, hidden)
     _grouped_gemm(activated, down.contiguous(), down_out, weights, alignment, tiles,
                   rows_per_input=1, scale_by_weight=True)
@@ -288,10 +297,12 @@ def _grouped_gemm(
     tiles: MoETiles,
     rows_per_input: int,
     scale_by_weight: bool,
+    gated: bool = False,
 ) -> None:
     """`out[c] = inputs[c // rows_per_input] @ weight[expert(c)].T` for every choice c
-    (times its routing weight if `scale_by_weight`, zeros for skipped choices)."""
-    num_outputs, depth = weight.shape[1], weight.shape[2]
+    (times its routing weight if `scale_by_weight`, zeros for skipped choices); if `gated`,
+    `out` is half as wide and holds SiLU-and-mul of that product."""
+    num_outputs, depth = out.shape[1], weight.shape[2]
     require_last_dim_contiguous("inputs", inputs)
     num_tiles_n = cdiv(num_outputs, tiles.block_n)
     _launch_grouped_gemm(
@@ -304,6 +315,7 @@ def _grouped_gemm(
          "STRIDE_OUT": out.stride(0), "ROWS_PER_INPUT": rows_per_input,
          "SCALE_BY_WEIGHT": scale_by_weight, "ZERO_SKIPPED": scale_by_weight,
          "ONE_CHOICE_PER_TILE": alignment.one_choice_per_tile,
+         "GATED": gated,
          "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
          "GROUP_M": tiles.group_m},
         num_warps=tiles.num_warps,
@@ -326,6 +338,7 @@ def _grouped_gemm_kernel(
     SCALE_BY_WEIGHT: tl.constexpr,
     ZERO_SKIPPED: tl.constexpr,
     ONE_CHOICE_PER_TILE: tl.constexpr,
+    GATED: tl.constexpr,  # weight rows [gate | up], N each: out = silu(gate) * up
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -365,13 +378,20 @@ def _grouped_gemm_kernel(
     weight_ptrs = (weight_ptr + expert * STRIDE_EXPERT
                    + offs_n.to(tl.int64)[None, :] * STRIDE_WEIGHT_N + offs_k[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED only
     for k_start in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k_start
         a = tl.load(input_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(weight_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
+        if GATED:
+            up = tl.load(weight_ptrs + N * STRIDE_WEIGHT_N,
+                         mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            up_acc = tl.dot(a, up, up_acc)
         input_ptrs += BLOCK_K
         weight_ptrs += BLOCK_K
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * up_acc
     if SCALE_BY_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + choices, mask=row_mask, other=0.0)[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
