@@ -213,11 +213,18 @@ class DecodeInputs:
     seq_lens: torch.Tensor
 
     @classmethod
-    def build(cls, batch: int, context: int) -> DecodeInputs:
+    def build(cls, batch: int, context: int, shortest: int | None = None) -> DecodeInputs:
+        """Every row `context` long, or (`shortest` given) lengths uniform in [shortest,
+        context], as in an offline batch."""
         kv = make_paged_kv(batch, context, sets_to_defeat_l2(kv_bytes(batch, context)))
         q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        if shortest is not None:
+            seq_lens.random_(shortest, context + 1)
         return cls(batch, context, kv, q, torch.empty_like(q), seq_lens)
+
+    def kv_bytes(self) -> int:
+        return kv_bytes(1, int(self.seq_lens.sum()))
 
 
 def time_ours_decode(inputs: DecodeInputs, config: DecodeConfig | None = None,
@@ -360,7 +367,10 @@ def profile_host(calls: dict[str, Callable[[], object]]) -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
-DECODE_CANDIDATES = [(32, 2, 3), (64, 2, 3), (64, 4, 3), (64, 2, 2), (128, 4, 2), (32, 4, 2)]
+DECODE_CANDIDATES = [(32, 4, 3), (64, 2, 2), (64, 4, 4), (64, 4, 2), (128, 4, 2), (128, 8, 2)]
+# (batch, longest context, shortest or None for all equal)
+DECODE_TUNE_CASES = [(1, 32768, None), (1, 4096, None), (1, 512, None), (8, 4096, None),
+                     (64, 4096, None), (64, 2048, 100), (256, 2048, 100)]
 EXTEND_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 4, 2), (128, 64, 8, 2),
                      (64, 64, 4, 2), (64, 128, 4, 2)]
 
@@ -368,15 +378,16 @@ EXTEND_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 4, 2), (128,
 def tune(hbm_gbps: float) -> None:
     """Time candidate tile configs and split counts on the target cases; prints only."""
     rows = []
-    for batch, context in ((1, 32768), (1, 4096), (64, 4096)):
-        inputs = DecodeInputs.build(batch, context)
+    for batch, context, shortest in DECODE_TUNE_CASES:
+        inputs = DecodeInputs.build(batch, context, shortest)
         runs = [(DecodeConfig(*c), None) for c in DECODE_CANDIDATES]
-        runs += [(None, splits) for splits in (16, 32, 64)]
+        runs += [(None, splits) for splits in (16, 32, 64) if batch == 1]
+        lengths = context if shortest is None else f"{shortest}-{context}"
         for config, splits in runs:
             used, in_graph, _ = time_ours_decode(inputs, config, splits)
             name = "default" if config is None else "/".join(map(str, astuple(config)))
-            rows.append([name, batch, context, used, in_graph,
-                         gbps(kv_bytes(batch, context), in_graph) / hbm_gbps])
+            rows.append([name, batch, lengths, used, in_graph,
+                         gbps(inputs.kv_bytes(), in_graph) / hbm_gbps])
     print_table("tune decode (block_n/warps/stages)",
                 ["config", "batch", "context", "splits", "graph µs", "HBM frac"], rows)
     rows = []

@@ -43,14 +43,20 @@ MIN_DOT_ROWS = 16
 class DecodeConfig:
     """Tile shape of the split kernel: KV tokens per step, warps, pipeline stages."""
 
-    block_n: int = 32
+    block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
+# Tuned on the H100 (32/8 and 16/8 heads, head_dim 128, in CUDA graphs): 64-token tiles
+# match or beat 32-token ones at every batch and context; from LARGE_BATCH rows up, where
+# sequences of mixed lengths share the GPU (offline batches), 128-token tiles run another
+# 2-5% faster, but cost 5% on one 32k sequence and 15% on one 512-token one.
 CONFIGS = DeviceConfigs(
     gpu=DecodeConfig(), interpreter=DecodeConfig(block_n=16, num_warps=1, num_stages=1)
 )
+LARGE_BATCH = 32
+LARGE_BATCH_CONFIGS = DeviceConfigs(gpu=DecodeConfig(block_n=128), interpreter=CONFIGS.interpreter)
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,12 @@ def plan_decode(
     """Choose the split count for ``batch_size`` rows and allocate the merge workspace.
 
     By default splits are chosen so that ``batch_size * num_kv_heads * num_splits`` programs
-    cover every multiprocessor a few times over, capped at ``MAX_SPLITS``; ``num_splits`` and
-    ``config`` override the choice (tuning, tests).
+    cover every multiprocessor a few times over, capped at ``MAX_SPLITS``, and the tiles
+    follow the batch size; ``num_splits`` and ``config`` override the choice (tuning, tests).
     """
     device = torch.device(device)
-    config = config or CONFIGS.for_device(device.type == "cuda")
+    configs = LARGE_BATCH_CONFIGS if batch_size >= LARGE_BATCH else CONFIGS
+    config = config or configs.for_device(device.type == "cuda")
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] (the merge reads at most "
                          f"{MAX_SPLITS} partials), got {num_splits}")
