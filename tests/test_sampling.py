@@ -55,6 +55,15 @@ def test_the_most_likely_token_always_survives():
     assert kept(out[0]) == {1}
 
 
+def test_an_all_greedy_batch_takes_the_argmax_in_the_logits_own_dtype():
+    # bf16 logits with a tie at the maximum: the first index wins, as after a float copy.
+    logits = torch.randn(3, 50).to(torch.bfloat16)
+    logits[1, [7, 30]] = 100.0
+    greedy = Sampler()(logits, batch(3, temperature=0))
+    assert torch.equal(greedy, logits.float().argmax(dim=-1))
+    assert greedy[1] == 7
+
+
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     logits = torch.randn(4, 50)
     mixed = batch(4)

@@ -60,6 +60,10 @@ class TokenLogprobs(NamedTuple):
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """`[S, vocab]` logits -> `[S]` int64 token ids (`logits` is left unchanged)."""
+        if batch.all_greedy and batch.penalties is None and batch.logit_adds is None:
+            # Exact in the logits' own dtype: no float copy of [S, vocab] (at batch 256 of a
+            # 152k vocabulary the copy took longer than the argmax).
+            return logits.argmax(dim=-1)
         logits = logits.float()
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
