@@ -36,6 +36,9 @@ class ForwardBatch:
     num_seqs: int
     max_seqlen_q: int  # most new tokens of one sequence (1 for a pure decode step)
     max_seq_len: int  # longest KV length in the batch
+    # Leading sequences that add one token each (the scheduler puts decodes first): a mixed
+    # step's attention runs them through the decode kernel. All of them in a decode step.
+    num_decode_seqs: int = 0
 
     @property
     def is_decode(self) -> bool:

@@ -7,6 +7,7 @@ import torch
 
 from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
 from bcg.layers.attention import Attention
+from bcg.runner.batch import leading_single_tokens
 from bcg.utils import cdiv
 from tests.numerics import pad_with_nan
 from tests.paged import scatter_blocks, slot_mapping
@@ -44,7 +45,8 @@ def make_batch(prefix_lens: list[int], new_lens: list[int]) -> tuple[ForwardBatc
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
         sample_indices=torch.tensor([c - 1 for c in cu[1:]]),
         state_slots=torch.full((len(new_lens),), -1, dtype=torch.int32), num_tokens=cu[-1],
-        num_seqs=len(new_lens), max_seqlen_q=max(new_lens), max_seq_len=max(seq_lens))
+        num_seqs=len(new_lens), max_seqlen_q=max(new_lens), max_seq_len=max(seq_lens),
+        num_decode_seqs=leading_single_tokens(new_lens))
     return batch, cache
 
 

@@ -11,6 +11,7 @@ import torch
 from bcg.forward import ForwardBatch, KVCache
 from bcg.layers.attention import Attention
 from bcg.layers.attention_backend import ReferenceAttention, TritonAttention
+from bcg.runner.batch import SyntheticSequence, build_batch
 from tests.attention_batch import DIM, HEADS, KV_HEADS, copy_cache, make_batch, qkv, run
 from tests.kernels_support import kernels_skip_reason  # loads bcg.kernels before triton
 
@@ -40,6 +41,7 @@ def test_attention_outside_a_forward_context_explains():
 @pytest.mark.parametrize("prefix_lens,new_lens", [
     ([5, 0, 9], [3, 6, 1]),  # mixed: chunk over a prefix, fresh prompt, decode
     ([7, 12, 3], [1, 1, 1]),  # decode
+    ([7, 12, 5, 0, 2], [1, 1, 3, 6, 1]),  # mixed, decodes first: split between the kernels
 ])
 def test_kernels_match_the_reference(prefix_lens, new_lens):
     if torch.cuda.is_available():
@@ -54,6 +56,15 @@ def test_kernels_match_the_reference(prefix_lens, new_lens):
     out = run(batch, cache, q, k, v, TritonAttention(HEADS, KV_HEADS, DIM, q.device))
     assert torch.equal(cache.storage, expected_cache.storage)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_counts_its_leading_decodes():
+    def seq(length: int, computed: int) -> SyntheticSequence:
+        return SyntheticSequence(list(range(length)), [0, 1], num_computed_tokens=computed)
+
+    seqs = [seq(5, 4), seq(6, 5), seq(3, 0), seq(7, 6)]
+    assert build_batch(seqs, [1, 1, 3, 1], 4, torch.device("cpu")).num_decode_seqs == 2
+    assert build_batch(seqs[2:], [3, 1], 4, torch.device("cpu")).num_decode_seqs == 0
 
 
 def test_reference_path_runs_without_triton():

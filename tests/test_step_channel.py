@@ -21,8 +21,8 @@ MESSAGES = [b"small", bytes(range(256)) * (3 * INLINE_BYTES // 256 + 1), b""]
 
 def a_plan() -> StepPlan:
     longs, ints = array("q", range(-3, 40)), array("i", range(7, 30))
-    # a hybrid's batch: its 2 sequences' state slots ride along
-    return StepPlan(HostBatch(longs, ints, 9, 2, 2, 4, 6, 11, 2), array("q", [0, 5, 8]))
+    # a hybrid's mixed batch (one decode first): its 2 sequences' state slots ride along
+    return StepPlan(HostBatch(longs, ints, 9, 2, 2, 4, 6, 11, 1, True), array("q", [0, 5, 8]))
 
 
 def test_step_plan_round_trip():

@@ -11,7 +11,7 @@ so no layer allocates its own. `TritonAttention` runs our kernels on CUDA;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -58,6 +58,15 @@ class ReferenceAttention(AttentionBackend):
                             batch.block_tables, layer.scale, out=out)
 
 
+class MixedStepMetadata(NamedTuple):
+    """A mixed step's split: its leading one-token rows go through the decode kernel (split
+    over the KV, one query row per head, where the extend kernel would pad each to a full
+    query tile and walk the KV in one program), the rest through the extend kernel."""
+
+    decode_plan: Any  # the decode kernel's plan for the leading rows
+    extend_cu_seqlens_q: torch.Tensor  # the other rows' new-token offsets, from 0
+
+
 class TritonAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device) -> None:
@@ -66,12 +75,20 @@ class TritonAttention(AttentionBackend):
         self._decode_plans: dict[int, Any] = {}
 
     def metadata(self, batch: ForwardBatch) -> Any:
-        """The decode kernel's split count and workspace for a decode batch: one per
-        power-of-two batch size, shared by all layers and steps (and by the decode graphs
-        of that size, which never replay at once)."""
-        if not batch.is_decode:
+        """A decode batch's decode plan, a mixed one's `MixedStepMetadata`, else None."""
+        if batch.is_decode:
+            return self._decode_plan(batch.num_seqs)
+        num_decode = batch.num_decode_seqs
+        if num_decode == 0:
             return None
-        size = 1 << (batch.num_seqs - 1).bit_length()
+        return MixedStepMetadata(self._decode_plan(num_decode),
+                                 batch.cu_seqlens_q[num_decode:] - num_decode)
+
+    def _decode_plan(self, num_seqs: int) -> Any:
+        """The decode kernel's split count and workspace: one per power-of-two batch size,
+        shared by all layers and steps (and by the decode graphs of that size and mixed
+        steps, which never run at once)."""
+        size = 1 << (num_seqs - 1).bit_length()
         if size not in self._decode_plans:
             self._decode_plans[size] = triton_ops.plan_decode(
                 size, self.num_heads, self.num_kv_heads, self.head_dim, self.device)
@@ -93,12 +110,21 @@ class TritonAttention(AttentionBackend):
         k_cache, v_cache = context.kv_cache.layer(layer.layer_id)
         if not kv_stored:
             triton_ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping[: batch.num_tokens])
+        metadata = context.attention_metadata
         if batch.is_decode:
             triton_ops.decode_attention(q, k_cache, v_cache, batch.seq_lens, batch.block_tables,
-                                        layer.scale, out=out, plan=context.attention_metadata)
-        else:
+                                        layer.scale, out=out, plan=metadata)
+        elif metadata is None:
             triton_ops.extend_attention(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
                                         batch.block_tables, layer.scale, out=out)
+        else:
+            n = batch.num_decode_seqs  # one token each: also the first n rows of q
+            triton_ops.decode_attention(q[:n], k_cache, v_cache, batch.seq_lens[:n],
+                                        batch.block_tables[:n], layer.scale, out=out[:n],
+                                        plan=metadata.decode_plan)
+            triton_ops.extend_attention(q[n:], k_cache, v_cache, metadata.extend_cu_seqlens_q,
+                                        batch.seq_lens[n:], batch.block_tables[n:],
+                                        layer.scale, out=out[n:])
 
 
 def attention_backend(device: torch.device, num_heads: int, num_kv_heads: int,

@@ -128,11 +128,12 @@ class HostBatch:
     max_blocks: int
     max_seqlen_q: int
     max_seq_len: int
+    num_decode_seqs: int
     stateful: bool  # a model with recurrent state: ints end with one state slot per sequence
 
     def sizes(self) -> list[int]:
         return [self.num_tokens, self.num_seqs, self.num_samples, self.max_blocks,
-                self.max_seqlen_q, self.max_seq_len, int(self.stateful)]
+                self.max_seqlen_q, self.max_seq_len, self.num_decode_seqs, int(self.stateful)]
 
     def upload(self, device: torch.device) -> ForwardBatch:
         tokens, seqs = self.num_tokens, self.num_seqs
@@ -153,6 +154,7 @@ class HostBatch:
             num_seqs=seqs,
             max_seqlen_q=self.max_seqlen_q,
             max_seq_len=self.max_seq_len,
+            num_decode_seqs=self.num_decode_seqs,
         )
 
 
@@ -193,8 +195,17 @@ def build_host_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], b
         max_blocks=max_blocks,
         max_seqlen_q=max(num_new_tokens, default=1),
         max_seq_len=max(seq_lens, default=0),
+        num_decode_seqs=leading_single_tokens(num_new_tokens),
         stateful=stateful,
     )
+
+
+def leading_single_tokens(num_new_tokens: list[int]) -> int:
+    """How many sequences at the front of the batch add one token each."""
+    count = 0
+    while count < len(num_new_tokens) and num_new_tokens[count] == 1:
+        count += 1
+    return count
 
 
 def _aligned(parts: list[array]) -> array:
