@@ -202,10 +202,10 @@ def build_host_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], b
 
 def leading_single_tokens(num_new_tokens: list[int]) -> int:
     """How many sequences at the front of the batch add one token each."""
-    count = 0
-    while count < len(num_new_tokens) and num_new_tokens[count] == 1:
-        count += 1
-    return count
+    for index, count in enumerate(num_new_tokens):
+        if count != 1:
+            return index
+    return len(num_new_tokens)
 
 
 def _aligned(parts: list[array]) -> array:
