@@ -45,9 +45,9 @@ TOKENS = [1, 8, 64, 512, 2048, 4096]
 ROUTINGS = 8
 DTYPE = torch.bfloat16
 # block_m, block_n, block_k, group_m, warps, stages (and for decode, SiLU-and-mul fused into
-# the first GEMM); each config compiles once. Decode-sized
-# steps stream weights (narrow column tiles spread them over more programs, long K tiles
-# keep loads in flight); prefill-sized ones are compute-bound GEMMs.
+# the first GEMM); each config compiles once. Decode-sized steps stream weights (narrow
+# column tiles spread them over more programs, long K tiles keep loads in flight);
+# prefill-sized ones are compute-bound GEMMs.
 DECODE_TUNE_GRID = list(itertools.product([16], [32, 64, 128], [128, 256], [1], [4, 8],
                                           [3, 4, 5], [False, True]))
 PREFILL_TUNE_GRID = list(itertools.product([64, 128], [64, 128], [64], [8], [4, 8], [3, 4]))
