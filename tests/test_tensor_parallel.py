@@ -1,7 +1,7 @@
-"""Tensor parallelism on the CPU with gloo: a model split over 2 (or 4) processes gives the
+"""Tensor parallelism on the CPU with gloo: a model split over 2, 4 or 8 processes gives the
 logits of the unsplit model (fp32), for Llama (tied head, vocabulary padded), Qwen2
-(biases), Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated), Qwen3-MoE (at 2 and
-4 ranks: its experts split by intermediate dimension, or whole experts per rank: expert
+(biases), Qwen3 (q/k norms; at 4 ranks its 2 KV heads are replicated), Qwen3-MoE (at 2, 4
+and 8 ranks: its experts split by intermediate dimension, or whole experts per rank: expert
 parallel, by all-reduce or all-to-all dispatch) and NemotronH (Mamba2 heads, groups, conv
 channels and the gated norm split; state carried into the decode), with loaded and with
 dummy weights."""
@@ -83,6 +83,10 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", 2, {}, "auto", MOE_MODES),
     # at 4 ranks: a quarter of each expert, then one whole expert per rank
     "qwen3_moe-tp4": ("qwen3_moe", 4, {}, "auto", MOE_MODES),
+    # at 8 ranks (issue 21's sizes): each of the 2 KV heads on four ranks, an eighth of each
+    # expert, then one whole expert per rank
+    "qwen3_moe-tp8": ("qwen3_moe", 8, {"num_attention_heads": 8, "num_experts": 8,
+                                       "moe_intermediate_size": 64}, "auto", MOE_MODES),
     # Mamba heads and groups split: 4 heads and 1 group per rank
     "nemotron_h": ("nemotron_h", 2, {}, "auto", TENSOR_PARALLEL),
     # random weights split like loaded ones
