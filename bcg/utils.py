@@ -8,6 +8,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def is_int(value) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_number(value) -> bool:
     """An int or a float, not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -57,6 +57,13 @@ def test_flags_reach_the_engine_config():
     assert config.kv_cache_tokens == 4096 and config.model is None
 
 
+def test_hf_overrides_is_a_json_object():
+    args = build_parser().parse_args(["generate", "hi", "--hf-overrides",
+                                      '{"num_hidden_layers": 2, "rope_theta": 1e4}'])
+    config = engine_config_from_args(args)
+    assert config.hf_overrides == {"num_hidden_layers": 2, "rope_theta": 1e4}
+
+
 @pytest.mark.parametrize("spelling,dtype", [
     ("half", "float16"), ("float", "float32"), ("float16", "float16"),
     ("bfloat16", "bfloat16"), ("float32", "float32"), ("auto", "auto"),
@@ -208,6 +215,8 @@ def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
     (["generate", "--max-num-seqs", "1.5", "hi"], "--max-num-seqs"),
     (["generate", "--dtype", "int8", "hi"], "--dtype"),
     (["generate", "--prefill-graph-tokens", "a,b", "hi"], "--prefill-graph-tokens"),
+    (["generate", "--hf-overrides", "{num_hidden_layers: 2}", "hi"], "--hf-overrides: not JSON"),
+    (["generate", "--hf-overrides", "[2]", "hi"], "--hf-overrides: must be a JSON object"),
     (["serve", "--max-request-body-bytes", "0"], "--max-request-body-bytes"),
     (["generate", "--model", "/nonexistent", "hi"], "'/nonexistent' does not exist"),
     (["generate", "--model", "models/missing.gguf", "hi"], "does not exist"),

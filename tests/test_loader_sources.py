@@ -105,6 +105,8 @@ def test_hugging_face_config_layouts_both_parse():
     (dict(dtype="int8"), "dtype"),
     (dict(device="tpu"), "device"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(hf_overrides=[("num_hidden_layers", 2)]), "hf_overrides must be a dict"),
+    (dict(hf_overrides={2: 1}), "hf_overrides must be a dict"),
 ])
 def test_invalid_engine_args_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -135,3 +137,35 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="lacks .* weights: model.layers.2"):
         load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+
+
+def test_hf_overrides_change_the_config_of_every_kind_of_source(tmp_path, caplog):
+    save_tiny_model("llama", tmp_path)
+    overrides = {"num_hidden_layers": 1, "max_position_embeddings": 64}
+    for model in ("qwen3-8b", str(tmp_path), str(builtin_gguf_path())):
+        config = EngineConfig(model=model, hf_overrides=overrides).model_source().config
+        assert (config.num_hidden_layers, config.max_position_embeddings) == (1, 64)
+    with caplog.at_level("WARNING"):
+        resolve_model("qwen3-8b", hf_overrides={"num_hidden_layer": 1})
+    assert "hf_overrides sets num_hidden_layer, which preset qwen3-8b does not have" in caplog.text
+    with pytest.raises(ValueError, match=r"preset qwen3-8b with hf_overrides \{'num_hidden_"
+                                         r"layers': 0\}: num_hidden_layers must be a positive"):
+        resolve_model("qwen3-8b", hf_overrides={"num_hidden_layers": 0})
+
+
+def test_hf_overrides_that_change_shapes_load_dummy_weights_only(tmp_path):
+    save_tiny_model("llama", tmp_path)  # 2 layers
+    overrides = {"num_hidden_layers": 1}
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.1.* changed the "
+                                         "config: .* only as --load-format dummy"):
+        load_model(resolve_model(str(tmp_path), hf_overrides=overrides), torch.float32,
+                   torch.device("cpu"))
+    llm = LLM(model=str(tmp_path), device="cpu", load_format="dummy", hf_overrides=overrides,
+              kv_cache_tokens=256)
+    try:
+        assert llm.engine.model_config.num_hidden_layers == 1
+        assert len(llm.engine.runner.model.model.layers) == 1
+        output, = llm.generate([[1, 2, 3]], use_tqdm=False)
+        assert len(output.outputs[0].token_ids) > 0
+    finally:
+        llm.close()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jinja2
 import torch
 
-from bcg.config import EngineConfig, is_int, require
+from bcg.config import EngineConfig, require
 from bcg.distributed import rank_loop
 from bcg.distributed.launcher import Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import launched_rank
@@ -28,12 +28,13 @@ from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, Requ
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
-from bcg.loader.model_source import ModelSource, resolve_model
+from bcg.loader.model_source import ModelSource
 from bcg.loader.tokenizer import load_tokenizer
 from bcg.models.config import ModelConfig
 from bcg.runner.graph_verify import verify_graphs
 from bcg.runner.model_runner import ModelRunner, StepResult
 from bcg.timing import startup_step
+from bcg.utils import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def start_runner(config: EngineConfig, source: ModelSource | None = None,
     """This rank's runner: weights, graphs, KV cache, then --verify-graphs. Every
     tensor-parallel rank builds its own this way, so their start-up collectives meet."""
     if source is None:
-        source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")
+        source = config.model_source()
     torch.manual_seed(config.seed)
     runner = ModelRunner(config, source, resolve_max_model_len(config, source.config),
                          eos_token_ids)
@@ -130,7 +131,7 @@ class LLMEngine:
             rank_loop.launched_worker_main(config)
         self.config = config
         start = time.perf_counter()
-        source = resolve_model(config.model, dummy_weights=config.load_format == "dummy")
+        source = config.model_source()
         self.model_config = source.config
         self.max_model_len = resolve_max_model_len(config, source.config)
         check_tensor_parallel_size(config, source.config)

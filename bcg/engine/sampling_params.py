@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from bcg.config import is_int, require
+from bcg.config import require
 from bcg.layers.sampler import MAX_LOGPROBS
+from bcg.utils import is_int
 
 
 @dataclass

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from bcg.config import is_int
 from bcg.models.config import as_id_list
+from bcg.utils import is_int
 
 # transformers 5 saves the floats JSON lacks as {"__float__": "Infinity"} (and -Infinity, NaN).
 _TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}

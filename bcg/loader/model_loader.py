@@ -22,9 +22,20 @@ def load_model(
     if source.weights is None:
         fill_dummy_weights(model, seed)
     else:
-        model.load_weights(source.weights())
+        _load_checkpoint(model, source)
     model.process_weights_after_loading()
     return model.eval()
+
+
+def _load_checkpoint(model: CausalLM, source: ModelSource) -> None:
+    try:
+        model.load_weights(source.weights())
+    except ValueError as error:
+        if not source.hf_overrides:
+            raise
+        raise ValueError(f"{error} (hf_overrides {source.hf_overrides} changed the config: "
+                         "weights that no longer fit it load only as --load-format dummy)"
+                         ) from error
 
 
 @contextmanager

@@ -15,13 +15,12 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from bcg.config import is_int
 from bcg.loader.builtin import BUILTIN_NAME, builtin_gguf_path
 from bcg.loader.gguf_file import iter_gguf_tensors, read_gguf_config
 from bcg.loader.gguf_reader import GGUF_MAGIC, GGUFFile
@@ -29,7 +28,7 @@ from bcg.loader.hf_folder import iter_safetensors, read_generation_eos, read_hf_
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 from bcg.models.registry import ARCHITECTURES
-from bcg.utils import one_line
+from bcg.utils import is_int, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -54,33 +53,39 @@ class ModelSource:
     weights: WeightStream | None  # None: dummy (random) weights
     tokenizer_path: Path | None  # folder, or .gguf file; None: no tokenizer
     gguf_tokenizer: bool = False
+    hf_overrides: dict = field(default_factory=dict)  # applied to the config
 
 
-def resolve_model(model: str | None, dummy_weights: bool = False) -> ModelSource:
+def resolve_model(model: str | None, dummy_weights: bool = False,
+                  hf_overrides: dict | None = None) -> ModelSource:
     """Where `model`'s config, weights and tokenizer come from; with `dummy_weights` the
-    weights are left out (random ones are drawn at load)."""
-    source = _resolve_weights(model)
+    weights are left out (random ones are drawn at load). `hf_overrides` replaces fields of
+    the Hugging Face config (or a GGUF file's, or a preset's) before the model config is
+    built from it."""
+    source = _resolve_weights(model, hf_overrides or {})
+    source.hf_overrides = hf_overrides or {}
     if dummy_weights:
         source.weights = None
     return source
 
 
-def _resolve_weights(model: str | None) -> ModelSource:
+def _resolve_weights(model: str | None, overrides: dict) -> ModelSource:
     if model is None:
-        return _gguf_source(builtin_gguf_path(), BUILTIN_NAME)
+        return _gguf_source(builtin_gguf_path(), BUILTIN_NAME, overrides)
     if model in PRESETS:
         logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
-        return ModelSource(model, ModelConfig.from_hf_dict(PRESETS[model]), None, None)
+        config = _model_config(PRESETS[model], f"preset {model}", overrides)
+        return ModelSource(model, config, None, None)
     kind, path = classify_name(model, "model")
     if kind == "folder":
-        return _folder_source(path, model)
+        return _folder_source(path, model, overrides)
     if kind == "gguf":
-        return _gguf_source(path, model)
+        return _gguf_source(path, model, overrides)
     if kind == "file":
         raise ValueError(f"model {model!r} is a file but not a GGUF file: pass a .gguf file or "
                          "a Hugging Face model folder")
     if kind == "hub":
-        return _folder_source(_download_from_hub(model), model)
+        return _folder_source(_download_from_hub(model), model, overrides)
     raise ValueError(
         f"unknown model {model!r}: pass a Hugging Face folder, a .gguf file, a Hub id "
         f"(org/name), or a preset for dummy weights ({', '.join(sorted(PRESETS))}); "
@@ -123,26 +128,30 @@ def looks_like_path(name: str) -> bool:
             or name.endswith(_FILE_SUFFIXES))
 
 
-def _folder_source(folder: Path, name: str) -> ModelSource:
+def _folder_source(folder: Path, name: str, overrides: dict) -> ModelSource:
     ggufs = sorted(folder.glob("*.gguf"))
     if not (folder / "config.json").is_file() and len(ggufs) == 1:
-        return _gguf_source(ggufs[0], name)
-    config = _model_config(read_hf_config(folder), folder / "config.json")
+        return _gguf_source(ggufs[0], name, overrides)
+    config = _model_config(read_hf_config(folder), folder / "config.json", overrides)
     config.eos_token_ids = sorted({*config.eos_token_ids, *read_generation_eos(folder)})
     has_tokenizer = any((folder / f).is_file() for f in TOKENIZER_FILES)
     return ModelSource(name, config, lambda: iter_safetensors(folder),
                        folder if has_tokenizer else None)
 
 
-def _gguf_source(path: Path, name: str) -> ModelSource:
+def _gguf_source(path: Path, name: str, overrides: dict) -> ModelSource:
     gguf = GGUFFile(path)
     hf_config = read_gguf_config(gguf)
     weights = lambda: iter_gguf_tensors(gguf, hf_config)
-    return ModelSource(name, _model_config(hf_config, path), weights, path, True)
+    return ModelSource(name, _model_config(hf_config, path, overrides), weights, path, True)
 
 
-def _model_config(hf_config: dict, origin: Path) -> ModelConfig:
-    """The model config, or ValueError naming `origin` if a needed field is missing or bad."""
+def _model_config(hf_config: dict, origin: Path | str, overrides: dict) -> ModelConfig:
+    """The model config of `hf_config` with `overrides` applied, or ValueError naming
+    `origin` (and the overrides) if a needed field is missing or bad."""
+    if overrides:
+        hf_config = _overridden(hf_config, overrides, origin)
+        origin = f"{origin} with hf_overrides {overrides}"
     try:
         config = ModelConfig.from_hf_dict(hf_config)
     except KeyError as error:
@@ -154,14 +163,22 @@ def _model_config(hf_config: dict, origin: Path) -> ModelConfig:
     if config.architecture not in ARCHITECTURES:
         raise ValueError(f"{origin}: architecture {config.architecture!r} is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    for field in _POSITIVE_FIELDS + (_MOE_POSITIVE_FIELDS if config.num_experts else ()):
-        value = getattr(config, field)
+    for name in _POSITIVE_FIELDS + (_MOE_POSITIVE_FIELDS if config.num_experts else ()):
+        value = getattr(config, name)
         if not (is_int(value) and value > 0):
-            raise ValueError(f"{origin}: {field} must be a positive integer, got {value!r}")
+            raise ValueError(f"{origin}: {name} must be a positive integer, got {value!r}")
     if config.num_experts and config.num_experts_per_tok > config.num_experts:
         raise ValueError(f"{origin}: num_experts_per_tok ({config.num_experts_per_tok}) exceeds "
                          f"num_experts ({config.num_experts})")
     return config
+
+
+def _overridden(hf_config: dict, overrides: dict, origin: Path | str) -> dict:
+    absent = sorted(set(overrides) - set(hf_config))
+    if absent:  # a typo, or a field with a default that the model reads: both are allowed
+        logger.warning("hf_overrides sets %s, which %s does not have: a field the model does "
+                       "not read changes nothing", ", ".join(absent), origin)
+    return {**hf_config, **overrides}
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:

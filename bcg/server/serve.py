@@ -21,9 +21,9 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from bcg.config import EngineConfig, is_int
+from bcg.config import EngineConfig
 from bcg.loader.builtin import BUILTIN_NAME
-from bcg.utils import is_number
+from bcg.utils import is_int, is_number
 
 logger = logging.getLogger(__name__)
 
