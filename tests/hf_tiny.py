@@ -20,7 +20,6 @@ from bcg.engine.block_manager import BlockManager
 from bcg.engine.llm_engine import prefix_caching_enabled
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.sequence import Sequence
-from bcg.loader.model_source import resolve_model
 from bcg.runner.model_runner import ModelRunner
 from tests.numerics import relative_error
 
@@ -116,8 +115,7 @@ class PagedHarness:
         engine_args.setdefault("kv_cache_tokens", 1024)
         config = EngineConfig(model=str(folder), device=device, dtype=dtype,
                               block_size=block_size, **engine_args)
-        source = resolve_model(str(folder), dummy_weights=config.load_format == "dummy")
-        self.runner = ModelRunner(config, source, max_model_len=max_model_len)
+        self.runner = ModelRunner(config, config.model_source(), max_model_len=max_model_len)
         slots = self.runner.num_state_slots
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
                                           prefix_caching_enabled(config, slots),

@@ -6,70 +6,20 @@ parallel, by all-reduce or all-to-all dispatch) and NemotronH (Mamba2 heads, gro
 channels and the gated norm split; state carried into the decode), with loaded and with
 dummy weights."""
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from bcg.distributed.parallel_state import (
-    TensorParallel,
-    destroy_tensor_parallel,
-    init_tensor_parallel,
-)
-from bcg.layers.fused_moe import FusedMoE
-from tests.hf_tiny import VOCAB, PagedHarness, save_tiny_model
+from bcg.distributed.parallel_state import TensorParallel
+from tests.hf_tiny import VOCAB, save_tiny_model
 from tests.numerics import relative_error
-from tests.server_process import free_port
+from tests.split_runs import expert_shapes, split_runs, step_logits
 
-PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 12, 9))]
 TOLERANCE = 1e-5
 
-
-def step_logits(folder, load_format: str, **engine_args
-                ) -> tuple[list[torch.Tensor], torch.nn.Module]:
-    """Prefill every prompt, one decode step of each, then one of the first alone (a single
-    token: fewer than the ranks): the logits of every row, and the model."""
-    harness = PagedHarness(folder, load_format=load_format, **engine_args)
-    seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
-    prefill = harness.step(seqs, [len(p) for p in PROMPTS])
-    for seq, rows in zip(seqs, prefill, strict=True):
-        seq.append_token(int(rows[-1].argmax()))
-    decode = harness.step(seqs, [1] * len(seqs))
-    seqs[0].append_token(int(decode[0][-1].argmax()))
-    return prefill + decode + harness.step(seqs[:1], [1]), harness.runner.model
-
-
-def expert_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
-    return [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, FusedMoE)]
-
-
-# (expert parallel, dispatch) modes a case runs in: MoE also with whole experts per rank.
-TENSOR_PARALLEL = ((False, "allreduce"),)
-MOE_MODES = TENSOR_PARALLEL + ((True, "allreduce"), (True, "alltoall"))
-
-
-def rank_main(rank: int, size: int, port: int, cases: list[tuple], out_path) -> None:
-    """One rank of one process group: each case's model (folder, load_format) built in turn
-    per mode, rank 0 saving every case's (logits, expert shapes) per mode."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(size))
-    torch.set_num_threads(1)
-    init_tensor_parallel(size, "gloo")
-    try:
-        results = []
-        for folder, load_format, modes in cases:
-            per_mode = []
-            for expert_parallel, dispatch in modes:
-                logits, model = step_logits(folder, load_format,
-                                            enable_expert_parallel=expert_parallel,
-                                            ep_dispatch=dispatch)
-                per_mode.append((logits, expert_shapes(model)))
-            results.append(per_mode)
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        destroy_tensor_parallel()
+# The runs of a case: tensor parallel; MoE also with whole experts per rank, both dispatches.
+TENSOR_PARALLEL = ({},)
+MOE_MODES = TENSOR_PARALLEL + ({"enable_expert_parallel": True, "ep_dispatch": "allreduce"},
+                              {"enable_expert_parallel": True, "ep_dispatch": "alltoall"})
 
 
 # id: (arch, tensor-parallel size, config overrides, load_format, modes)
@@ -96,35 +46,35 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def split_runs(tmp_path_factory) -> dict[str, tuple]:
-    """Each case's (folder, rank 0's results per mode): every case of one size in one spawn
-    of its processes (spawning costs more than the tiny models)."""
+def runs(tmp_path_factory) -> dict[str, tuple]:
+    """Each case's (folder, rank 0's results per run): every case of one size in one spawn."""
     root = tmp_path_factory.mktemp("tensor_parallel")
     folders = {}
     for case, (arch, _, overrides, _, _) in CASES.items():
         folders[case] = root / case
         save_tiny_model(arch, folders[case], **overrides)
-    runs = {}
+    results = {}
     for size in sorted({case[1] for case in CASES.values()}):
         ids = [case for case, spec in CASES.items() if spec[1] == size]
-        out_path = root / f"tp{size}.pt"
-        cases = [(folders[case], CASES[case][3], CASES[case][4]) for case in ids]
-        mp.spawn(rank_main, args=(size, free_port(), cases, out_path), nprocs=size, join=True)
-        for case, results in zip(ids, torch.load(out_path), strict=True):
-            runs[case] = (folders[case], results)
-    return runs
+        cases = [(str(folders[case]), [{"load_format": CASES[case][3], **mode}
+                                       for mode in CASES[case][4]]) for case in ids]
+        for case, result in zip(ids, split_runs(size, "cpu", cases, root / f"tp{size}.pt"),
+                                strict=True):
+            results[case] = (folders[case], result)
+    return results
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_split_model_gives_the_unsplit_logits(split_runs, case):
-    folder, results = split_runs[case]
+def test_split_model_gives_the_unsplit_logits(runs, case):
+    folder, results = runs[case]
     _, size, _, load_format, modes = CASES[case]
-    expected, model = step_logits(folder, load_format)
-    for (expert_parallel, _), (logits, shapes) in zip(modes, results, strict=True):
+    expected, model = step_logits(str(folder), load_format=load_format)
+    for mode, (logits, shapes) in zip(modes, results, strict=True):
         for ours, ref in zip(logits, expected, strict=True):
             assert relative_error(ours, ref) <= TOLERANCE
         # Expert parallel: a share of the experts, whole; else every expert, a share of each.
-        assert shapes == [(e // size, i, h) if expert_parallel else (e, i // size, h)
+        assert shapes == [(e // size, i, h) if mode.get("enable_expert_parallel")
+                          else (e, i // size, h)
                           for e, i, h in expert_shapes(model)]
 
 

@@ -1,0 +1,98 @@
+"""Tensor and expert parallelism on several GPUs (NCCL, bf16, dummy weights of the presets):
+the first steps' logits of a model split over N GPUs match one GPU's within the GPU suite's
+bf16 tolerance, in every graph mode (breakable prefill with full decode graphs, piecewise
+prefill with breakable decode graphs, eager, debug mode), for each parallel layout of the
+model (tensor parallel; MoE also expert parallel with either dispatch). Where one GPU cannot
+hold the model, a few of its layers (`hf_overrides`) keep its shapes. A case skips unless
+as many GPUs as its ranks are visible; the one-GPU case compares every mode with eager.
+
+The logits are those of `split_runs.step_logits`: a prefill of three prompts, a decode step
+of all three and one of the first alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.numerics import relative_error
+from tests.split_runs import split_runs
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 3e-2  # the bf16 tolerance of the GPU suite (tests/hf_tiny.py RUNS)
+# Small buckets: the prompts (26 tokens) fill the 32-token prefill graph, the decode steps
+# the 4- and 1-sequence decode graphs.
+BUCKETS = {"prefill_graph_tokens": "16,32", "decode_graph_bs": "1,4", "max_model_len": 128}
+GRAPH_MODES = {
+    "breakable+full": {"prefill_graph": "breakable", "decode_graph": "full"},
+    "piecewise+breakable": {"prefill_graph": "piecewise", "decode_graph": "breakable"},
+    "eager": {"prefill_graph": "none", "decode_graph": "none"},
+    "debug": {"debug_cuda_graph": True},
+}
+DENSE = {"tp": {}}
+MOE = {"tp": {},
+       "ep-allreduce": {"enable_expert_parallel": True, "ep_dispatch": "allreduce"},
+       "ep-alltoall": {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # a preset (dummy weights)
+    ranks: int
+    layouts: dict[str, dict]  # name -> engine arguments
+    hf_overrides: dict | None = None
+
+    def reference_args(self) -> dict:
+        """One GPU, eager."""
+        return {**self.common_args(), **GRAPH_MODES["eager"]}
+
+    def runs(self) -> dict[str, dict]:
+        """Each layout in each graph mode: name -> engine arguments."""
+        return {f"{layout} {mode}": self.run_args(layout_args, mode_args)
+                for layout, layout_args in self.layouts.items()
+                for mode, mode_args in GRAPH_MODES.items()}
+
+    def run_args(self, layout_args: dict, mode_args: dict) -> dict:
+        args = {**self.common_args(), **layout_args, **mode_args}
+        if args.get("ep_dispatch") == "alltoall" and args.get("decode_graph") == "full":
+            args["decode_graph"] = "breakable"  # its sizes are known only on the host
+        return args
+
+    def common_args(self) -> dict:
+        return {"load_format": "dummy", "dtype": "bfloat16", "hf_overrides": self.hf_overrides,
+                **BUCKETS}
+
+
+CASES = {
+    "qwen3-8b-1gpu": Case("qwen3-8b", 1, DENSE),
+    "qwen3-8b-tp2": Case("qwen3-8b", 2, DENSE),
+    "qwen3-30b-a3b-2gpus": Case("qwen3-30b-a3b", 2, MOE),
+    "nemotron-h-8b-tp2": Case("nemotron-h-8b", 2, DENSE),
+    "qwen3-32b-tp4": Case("qwen3-32b", 4, DENSE),
+    # 94 layers do not fit one GPU: 4 of them, each of the published shapes
+    "qwen3-235b-a22b-8gpus": Case("qwen3-235b-a22b", 8, MOE, {"num_hidden_layers": 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_model_gives_one_gpus_logits_in_every_graph_mode(case, tmp_path):
+    spec = CASES[case]
+    visible = torch.cuda.device_count()
+    if visible < spec.ranks:
+        pytest.skip(f"needs {spec.ranks} GPUs, {visible} visible")
+    # Each in its own processes: the reference's memory is back before the split model loads.
+    ((reference, _),), = split_runs(1, "cuda", [(spec.model, [spec.reference_args()])],
+                                    tmp_path / "reference.pt")
+    runs = spec.runs()
+    (results,) = split_runs(spec.ranks, "cuda", [(spec.model, list(runs.values()))],
+                            tmp_path / "split.pt")
+    errors = {name: max(relative_error(ours, ref) for ours, ref in
+                        zip(logits, reference, strict=True))
+              for name, (logits, _) in zip(runs, results, strict=True)}
+    print(f"\n{case}: largest relative error of each run's logits against one GPU, eager")
+    for name, error in errors.items():
+        print(f"  {name:32s} {error:.2e}")
+    failed = {name: f"{error:.2e}" for name, error in errors.items() if error > TOLERANCE}
+    assert not failed, f"logits beyond {TOLERANCE}: {failed}"
