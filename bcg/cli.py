@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(generate)
     serve = commands.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                    "/metrics; every request in flight shares the engine's steps.",
+        description="Serve /v1/completions, /v1/chat/completions and /v1/models (OpenAI's "
+                    "API), vLLM's /tokenize, /detokenize, /tokenizer_info and /version, and "
+                    "/health and /metrics; every request in flight shares the engine's steps.",
     )
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model to serve, as vLLM takes it: the same as --model")
@@ -227,6 +228,8 @@ def _sampling_params(args: argparse.Namespace):
 
     values = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.max_tokens == 0:  # LLM(...) takes it with prompt_logprobs, which no flag asks for
+        raise ValueError("--max-tokens must be at least 1: 0 would generate nothing")
     return _naming_flags(list(values), lambda: SamplingParams(**values))
 
 

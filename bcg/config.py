@@ -6,6 +6,9 @@ against the model or the device when the engine starts.
 
 from __future__ import annotations
 
+import re
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -13,7 +16,7 @@ import torch
 
 from bcg.distributed.expert_parallel import DISPATCH_MODES
 from bcg.models.presets import PRESETS
-from bcg.utils import is_int
+from bcg.utils import is_int, is_number
 
 if TYPE_CHECKING:
     from bcg.loader.model_source import ModelSource
@@ -144,6 +147,9 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # LLM(...) skips argparse's types: "100" would fail in a compare
+            value, hint = getattr(self, f.name), _FIELD_TYPES[f.name]
+            require(_has_type(value, hint), f"{f.name} must be {_type_name(hint)}, got {value!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.enforce_eager:
             self.prefill_graph = self.decode_graph = "none"
@@ -168,7 +174,7 @@ class EngineConfig:
             require(choices is None or getattr(self, f.name) in choices,
                    f"{f.name} must be one of {', '.join(choices or ())}; "
                    f"got {getattr(self, f.name)!r}")
-        require(self.device in ("auto", "cuda", "cpu") or self.device.startswith("cuda:"),
+        require(self.device in ("auto", "cuda", "cpu") or re.fullmatch(r"cuda:\d+", self.device),
                f"device must be auto, cuda, cuda:N or cpu; got {self.device!r}")
         require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict) and all(
                     isinstance(key, str) for key in self.hf_overrides)),
@@ -225,3 +231,25 @@ def require(ok: bool, message: str) -> None:
     """Raise ValueError(message) unless ok: for user input, whose errors must explain."""
     if not ok:
         raise ValueError(message)
+
+
+_FIELD_TYPES = typing.get_type_hints(EngineConfig)
+
+
+def _has_type(value, hint) -> bool:
+    """Whether `value` is of the field type `hint` (int | None, float, str, ...); an int is a
+    float here, a bool is no int."""
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return any(value is None if member is type(None)
+               else is_int(value) if member is int
+               else is_number(value) if member is float
+               else isinstance(value, member) for member in members)
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               dict: "a dict", type(None): "None"}
+
+
+def _type_name(hint) -> str:
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return " or ".join(_TYPE_NAMES[member] for member in members)

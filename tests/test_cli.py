@@ -207,6 +207,7 @@ def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
     (["generate", "--block-size", "0", "hi"], "--block-size"),
     (["generate", "--max-tokens", "abc", "hi"], "--max-tokens"),
     (["generate", "--max-tokens", "-1", "hi"], "--max-tokens"),
+    (["generate", "--max-tokens", "0", "hi"], "--max-tokens must be at least 1"),
     (["generate", "--top-p", "0", "hi"], "--top-p"),
     (["generate", "--temperature", "nan", "hi"], "--temperature"),
     (["generate", "--max-model-len", "0", "hi"], "--max-model-len"),

@@ -132,6 +132,9 @@ def test_generate_validates_all_prompts_before_running_any(llm):
         llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
     with pytest.raises(ValueError, match="SamplingParams"):
         llm.engine.add_request(PROMPTS[0], {"temperature": 0})
+    for params in ({"max_tokens": 2}, "greedy", [GREEDY, {"max_tokens": 2}]):
+        with pytest.raises(TypeError, match="sampling_params must (be a|hold) SamplingParams"):
+            llm.generate(PROMPTS[:2], params, use_tqdm=False)
 
 
 def test_abort_frees_blocks_and_others_finish(llm, tiny):

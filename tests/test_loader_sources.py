@@ -69,6 +69,12 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):
         LLM(model=str(tmp_path), device="cpu")
 
 
+def test_an_unsupported_architecture_is_named_before_missing_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    with pytest.raises(ValueError, match="architecture 'BertModel' is not supported"):
+        resolve_model(str(tmp_path))
+
+
 def test_folder_without_weights_says_what_is_missing(tmp_path):
     save_tiny_model("llama", tmp_path)
     for file in tmp_path.glob("*.safetensors"):
@@ -107,6 +113,10 @@ def test_hugging_face_config_layouts_both_parse():
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(hf_overrides=[("num_hidden_layers", 2)]), "hf_overrides must be a dict"),
     (dict(hf_overrides={2: 1}), "hf_overrides must be a dict"),
+    (dict(max_model_len="100"), "max_model_len must be an integer or None, got '100'"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
+    (dict(enforce_eager=1), "enforce_eager must be true or false"),
+    (dict(device="cuda:x"), "device must be auto, cuda, cuda:N or cpu; got 'cuda:x'"),
 ])
 def test_invalid_engine_args_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -127,6 +127,11 @@ def test_invalid_sampling_params_raise_clear_errors(kwargs, message):
         SamplingParams(**kwargs)
 
 
+def test_choices_of_the_largest_seed_count_on_from_zero():
+    params = SamplingParams(seed=2**64 - 1, n=3)
+    assert [params.for_choice(i).seed for i in range(3)] == [2**64 - 1, 0, 1]
+
+
 def test_stop_accepts_a_single_string():
     assert SamplingParams(stop="END").stop == ["END"]
 

@@ -165,7 +165,7 @@ BAD_REQUESTS = [
      "vocabulary"),
     ("unknown role", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "gpt-9"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "gpt-9"),
     ("unknown route", "/v1/nothing-here", {"model": MODEL}, 404, "Not Found"),
 ]
 

@@ -68,9 +68,9 @@ class Server:
         assert response.status_code == 200, response.text
         return response.json()
 
-    def error(self, path: str, body: dict) -> dict:
+    def error(self, path: str, body: dict, status: int = 400) -> dict:
         response = self.post(path, body)
-        assert response.status_code == 400, response.text
+        assert response.status_code == status, response.text
         return response.json()["error"]
 
     def tokens(self, text: str) -> list[int]:
@@ -171,6 +171,11 @@ REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/chat/completions",
@@ -196,11 +201,38 @@ def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
 
 def test_no_op_values_of_unimplemented_fields_are_accepted(server):
     server.complete(prompt="Hi", max_tokens=1, best_of=1, suffix=None, user="me",
-                    temperature=None, top_p=None, n=None, stream=False)
+                    temperature=None, top_p=None, n=None, stream=False,
+                    skip_special_tokens=True, include_stop_str_in_output=False,
+                    spaces_between_special_tokens=True)
     response = server.post("/v1/chat/completions", {
         "model": MODEL, "messages": QUESTION, "max_tokens": 1, "tools": [], "tool_choice": "none",
-        "response_format": {"type": "text"}, "parallel_tool_calls": False})
+        "response_format": {"type": "text"}, "parallel_tool_calls": False, "echo": False,
+        "add_generation_prompt": True, "continue_final_message": False, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
     assert response.status_code == 200, response.text
+
+
+def test_the_model_may_be_left_out_and_an_unknown_one_is_not_found(server, client):
+    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    chat = server.post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        client.completions.create(model="gpt-9", prompt="Hi", max_tokens=1)
+
+
+def test_an_assistant_message_may_have_null_content(server):
+    turns = [QUESTION[-1], {"role": "assistant", "content": None}, QUESTION[-1]]
+    response = server.post("/v1/chat/completions", {"messages": turns, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    error = server.error("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]})
+    assert "a user message needs content" in error["message"]
+
+
+def test_a_chat_beyond_the_context_names_the_messages_not_a_prompt_index(server):
+    error = server.error("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 10**6})
+    assert error["message"].startswith("the prompt's") and error["param"] == "messages"
+    error = server.error("/v1/completions", {"prompt": ["Hi", "Hi"], "n": 2, "max_tokens": 10**6})
+    assert error["message"].startswith("prompt 0: ") and error["param"] == "prompt"
 
 
 # --- 2. logprobs and echo ------------------------------------------------------------------
@@ -346,14 +378,14 @@ def test_tokenize_detokenize_version_and_tokenizer_info(server):
     assert "bos_token_id" in info
     assert httpx.head(f"{server.base}/health", timeout=10).status_code == 200
 
-    for path, body, name in [
-        ("/tokenize", {"model": "gpt-9", "prompt": "hi"}, "gpt-9"),
-        ("/tokenize", {"prompt": "hi", "messages": QUESTION}, "messages"),
-        ("/tokenize", {}, "prompt"),
-        ("/detokenize", {"tokens": [10**9]}, "vocabulary"),
-        ("/detokenize", {"tokens": "hi"}, "tokens"),
+    for path, body, name, status in [
+        ("/tokenize", {"model": "gpt-9", "prompt": "hi"}, "gpt-9", 404),  # vLLM's status
+        ("/tokenize", {"prompt": "hi", "messages": QUESTION}, "messages", 400),
+        ("/tokenize", {}, "prompt", 400),
+        ("/detokenize", {"tokens": [10**9]}, "vocabulary", 400),
+        ("/detokenize", {"tokens": "hi"}, "tokens", 400),
     ]:
-        assert name in server.error(path, body)["message"]
+        assert name in server.error(path, body, status)["message"]
 
 
 # --- 4. limits ---------------------------------------------------------------------------

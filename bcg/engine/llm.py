@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from tqdm.auto import tqdm
@@ -122,6 +122,13 @@ def _as_params_list(
     """One `SamplingParams` (or None, the defaults) for every prompt."""
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count
+    if isinstance(params, Mapping | str) or not isinstance(params, Iterable):
+        raise TypeError(f"sampling_params must be a SamplingParams, a list of them or None, "
+                        f"got {type(params).__name__}: build one with SamplingParams(...)")
     params = list(params)
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"sampling_params must hold SamplingParams, got a "
+                        f"{type(bad).__name__}: build each with SamplingParams(...)")
     check_one_per_prompt(range(count), params)
     return params

@@ -118,6 +118,14 @@ def prefix_caching_enabled(config: EngineConfig, num_state_slots: int) -> bool:
     return config.enable_prefix_caching and num_state_slots == 0
 
 
+class BadPromptError(ValueError):
+    """A prompt (or its sampling params) of `add_requests` is refused: `index` names it."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"prompt {index}: {reason}")
+        self.index, self.reason = index, reason
+
+
 class LLMEngine:
     """Rank 0 of `config.tensor_parallel_size` ranks: the scheduler, the tokenizer and the
     API live here; the other ranks (spawned here, or started by torchrun) follow its steps.
@@ -217,7 +225,7 @@ class LLMEngine:
             for request_id in ids:
                 self.abort_request(request_id)
             if isinstance(error, ValueError):
-                raise ValueError(f"prompt {len(ids)}: {error}") from error
+                raise BadPromptError(len(ids), str(error)) from error
             raise
         return ids
 

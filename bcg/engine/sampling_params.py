@@ -89,8 +89,11 @@ class SamplingParams:
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of completion `index` of the n: one sequence each (the engine runs n
-        requests); with a seed, completion i uses seed + i so the n differ."""
+        requests); with a seed, completion i uses seed + i so the n differ (past the largest
+        64-bit seed, counting on from 0)."""
         seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed >= 2**64:
+            seed -= 2**64
         return replace(self, n=1, seed=seed)
 
 

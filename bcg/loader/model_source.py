@@ -152,6 +152,10 @@ def _model_config(hf_config: dict, origin: Path | str, overrides: dict) -> Model
     if overrides:
         hf_config = _overridden(hf_config, overrides, origin)
         origin = f"{origin} with hf_overrides {overrides}"
+    architectures = hf_config.get("architectures") or []
+    if len(architectures) == 1 and architectures[0] not in ARCHITECTURES:  # before its fields
+        raise ValueError(f"{origin}: architecture {architectures[0]!r} is not supported; "
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
     try:
         config = ModelConfig.from_hf_dict(hf_config)
     except KeyError as error:
@@ -160,9 +164,6 @@ def _model_config(hf_config: dict, origin: Path | str, overrides: dict) -> Model
         raise ValueError(f"{origin} holds a bad value ({error})") from None
     except ValueError as error:
         raise ValueError(f"{origin}: {error}") from None
-    if config.architecture not in ARCHITECTURES:
-        raise ValueError(f"{origin}: architecture {config.architecture!r} is not supported; "
-                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
     for name in _POSITIVE_FIELDS + (_MOE_POSITIVE_FIELDS if config.num_experts else ()):
         value = getattr(config, name)
         if not (is_int(value) and value > 0):

@@ -23,8 +23,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from bcg import __version__
-from bcg.engine.llm_engine import LLMEngine
+from bcg.engine.llm_engine import BadPromptError, LLMEngine
 from bcg.engine.outputs import RequestOutput
+from bcg.loader.builtin import BUILTIN_NAME
 from bcg.server.engine_loop import EngineLoop, EngineSnapshot, Prompt
 from bcg.server.logprobs import (
     EchoText,
@@ -111,6 +112,7 @@ class _Server:
         self.model_name = model_name
         self.settings = settings
         self.max_model_len = engine.max_model_len
+        self.model_root = engine.config.model or BUILTIN_NAME  # what was loaded (vLLM's root)
         self.vocab_size = engine.model_config.vocab_size
         self.tokenizer = engine.tokenizer
         self.eos_token_ids = sorted(engine.eos_token_ids)
@@ -123,6 +125,7 @@ class _Server:
 
     async def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "bcg",
+                "root": self.model_root, "parent": None, "permission": [],
                 "max_model_len": self.max_model_len}
         return {"object": "list", "data": [card]}
 
@@ -220,6 +223,9 @@ class _Server:
         outputs: asyncio.Queue = asyncio.Queue()
         try:
             ids = await self.engine_loop.add(engine_prompts, make_params, outputs)
+        except BadPromptError as error:  # named by the body's prompt, not the engine's request
+            where = f"prompt {error.index // n}: " if len(prompts) > 1 else ""
+            raise ApiError(where + error.reason, param=body.prompt_field) from error
         except ValueError as error:
             raise ApiError(str(error)) from error
         return _Run(self.engine_loop, body, self.model_name, engine_prompts, ids, outputs,
@@ -227,8 +233,9 @@ class _Server:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ApiError(f"model {model!r} is not served here; this server serves "
-                           f"{self.model_name!r} (see GET /v1/models)", param="model")
+            raise ApiError(f"the model {model!r} does not exist here; this server serves "
+                           f"{self.model_name!r} (see GET /v1/models)", status=404,
+                           param="model")
 
     def _require_tokenizer(self) -> None:
         if self.tokenizer is None:

@@ -60,13 +60,14 @@ def _check_unicode(value: Any, path: str) -> None:
 
 class StreamOptions(StrictModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk
 
 
 class SamplingFields(StrictModel):
     """The request fields shared by completions and chat completions. OpenAI's optional
     fields also accept null, meaning their default."""
 
-    model: str
+    model: str | None = None  # as in vLLM: the served model when left out
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -86,8 +87,13 @@ class SamplingFields(StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id, for the caller's records: not used
+    # vLLM's fields, accepted with the values this server always behaves by.
+    skip_special_tokens: bool | None = None  # special tokens are always left out of text
+    include_stop_str_in_output: bool | None = None  # a stop string is always cut off
+    spaces_between_special_tokens: bool | None = None  # special tokens are never in text
 
     _streamed_prompt_logprobs_instead: ClassVar[str] = ""  # a hint for the refusal
+    prompt_field: ClassVar[str] = "prompt"  # the field an error in the prompt names
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -120,6 +126,15 @@ class SamplingFields(StrictModel):
         if self.stream and self.prompt_logprobs is not None:
             return ("prompt_logprobs", "prompt_logprobs are not available when streaming"
                                        + self._streamed_prompt_logprobs_instead)
+        if self.stream_options is not None and not self.stream:
+            return ("stream_options", "stream_options are only allowed with stream: true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return ("stream_options.continuous_usage_stats", "usage in every chunk is not "
+                    "supported: include_usage gives it in a last chunk")
+        if self.skip_special_tokens is False:
+            return ("skip_special_tokens", "special tokens are always left out of the text")
+        if self.include_stop_str_in_output:
+            return ("include_stop_str_in_output", "the text always ends before a stop string")
         return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -193,11 +208,17 @@ class TextPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # OpenAI's: only an assistant's may be null
     name: str | None = None  # passed to the chat template, which may use it
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
+
     def as_template_input(self) -> dict[str, str]:
-        content = self.content
+        content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content}
@@ -207,6 +228,8 @@ class ChatMessage(StrictModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    prompt_field: ClassVar[str] = "messages"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False  # logprobs of each generated token
@@ -219,6 +242,10 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools
+    # vLLM's chat fields, accepted with the values this server always behaves by.
+    echo: bool | None = None  # the reply never starts with the last message
+    add_generation_prompt: bool | None = None  # the prompt always ends ready for the reply
+    continue_final_message: bool | None = None  # the reply is always a new message
 
     def logprobs_per_token(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -237,6 +264,13 @@ class ChatCompletionRequest(SamplingFields):
                                        "{'type': 'text'}) is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             return ("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.echo:
+            return ("echo", "echo (the reply starting with the last message) is not supported")
+        if self.add_generation_prompt is False or self.continue_final_message:
+            field = "continue_final_message" if self.continue_final_message else \
+                "add_generation_prompt"
+            return (field, "continuing the last message is not supported: the reply is always "
+                           "a new assistant message")
         return super().unsupported()
 
     def default_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
