@@ -176,9 +176,8 @@ class EngineConfig:
                    f"got {getattr(self, f.name)!r}")
         require(self.device in ("auto", "cuda", "cpu") or re.fullmatch(r"cuda:\d+", self.device),
                f"device must be auto, cuda, cuda:N or cpu; got {self.device!r}")
-        require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict) and all(
-                    isinstance(key, str) for key in self.hf_overrides)),
-                f"hf_overrides must be a dict of config field names to values, like "
+        require(all(isinstance(key, str) for key in self.hf_overrides or {}),
+                f"hf_overrides must map config field names (strings) to values, like "
                 f"{{'num_hidden_layers': 4}}; got {self.hf_overrides!r}")
         for name in ("prefill_graph_tokens", "decode_graph_bs"):
             require(getattr(self, name) is None or _is_size_list(getattr(self, name)),

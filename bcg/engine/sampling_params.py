@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from bcg.config import require
 from bcg.layers.sampler import MAX_LOGPROBS
-from bcg.utils import is_int
+from bcg.utils import is_int, is_number
 
 
 @dataclass
@@ -52,17 +52,17 @@ class SamplingParams:
 
     def _check_numbers(self) -> None:
         _check(self.n, "n", is_int(self.n) and self.n >= 1, "an integer >= 1")
-        _check(self.temperature, "temperature", _is_number(self.temperature) and
+        _check(self.temperature, "temperature", is_number(self.temperature) and
                0 <= self.temperature and math.isfinite(self.temperature), "a finite number >= 0")
-        _check(self.top_p, "top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
+        _check(self.top_p, "top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
         _check(self.top_k, "top_k", is_int(self.top_k) and self.top_k >= -1,
                "an integer >= 1, or 0 / -1 for off")
-        _check(self.min_p, "min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
+        _check(self.min_p, "min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(value, name, _is_number(value) and -2 <= value <= 2, "a number in [-2, 2]")
+            _check(value, name, is_number(value) and -2 <= value <= 2, "a number in [-2, 2]")
         _check(self.repetition_penalty, "repetition_penalty",
-               _is_number(self.repetition_penalty) and 0 < self.repetition_penalty and
+               is_number(self.repetition_penalty) and 0 < self.repetition_penalty and
                math.isfinite(self.repetition_penalty), "a finite number > 0")
         _check(self.max_tokens, "max_tokens", is_int(self.max_tokens) and self.max_tokens >= 0,
                "an integer >= 0")
@@ -82,7 +82,7 @@ class SamplingParams:
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
         require(bias is None or (isinstance(bias, dict) and all(
-            is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
+            is_int(t) and t >= 0 and is_number(b) and -100 <= b <= 100
             for t, b in bias.items())),
             f"logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got "
             f"{bias!r}")
@@ -99,7 +99,3 @@ class SamplingParams:
 
 def _check(value, name: str, ok: bool, expected: str) -> None:
     require(ok, f"{name} must be {expected}, got {value!r}")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -266,11 +266,11 @@ class ChatCompletionRequest(SamplingFields):
             return ("top_logprobs", "top_logprobs needs logprobs: true")
         if self.echo:
             return ("echo", "echo (the reply starting with the last message) is not supported")
-        if self.add_generation_prompt is False or self.continue_final_message:
-            field = "continue_final_message" if self.continue_final_message else \
-                "add_generation_prompt"
-            return (field, "continuing the last message is not supported: the reply is always "
-                           "a new assistant message")
+        for field, continues in (("continue_final_message", self.continue_final_message),
+                                 ("add_generation_prompt", self.add_generation_prompt is False)):
+            if continues:
+                return (field, "continuing the last message is not supported: the reply is "
+                               "always a new assistant message")
         return super().unsupported()
 
     def default_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
