@@ -9,7 +9,15 @@ shapes. A case skips unless as many GPUs as its ranks are visible.
 The logits are those of `split_runs.step_logits`: a prefill of three prompts, a decode step
 of all three and one of the first alone, the decoded tokens fixed. One GPU in the same mode is
 the reference, not eager: piecewise graphs run Inductor's kernels, whose bf16 rounding alone
-moves a 36-layer model of random weights 5% from eager (qwen3-8b on the H100)."""
+moves a 36-layer model of random weights 5% from eager (qwen3-8b on the H100).
+
+That rounding also sets the tolerance of a deep model. Splitting a layer changes the order of
+its sums, as Inductor's fusions do; over dozens of random layers either moves the logits
+beyond the 3e-2 that suits the suite's tiny models (qwen3-8b tp2 on two H200s: 4.7e-2 to
+5.3e-2 in every mode). So a split run may be as far from one GPU as one GPU's piecewise run is
+from its eager run, with half again as margin: a split that is wrong (a weight cut apart
+differently, a collective missed) lands far beyond (5e-1 for a NemotronH whose dummy Mamba
+weights were drawn per rank)."""
 
 from __future__ import annotations
 
@@ -18,12 +26,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from bcg.engine.llm import LLM
+from bcg.engine.sampling_params import SamplingParams
+from tests.hf_tiny import save_tiny_model
 from tests.numerics import relative_error
-from tests.split_runs import split_runs
+from tests.split_runs import PROMPTS, split_runs
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = 3e-2  # the bf16 tolerance of the GPU suite (tests/hf_tiny.py RUNS)
+ROUNDING_MARGIN = 1.5  # how much further than one GPU's own rounding spread a split may be
 # Small buckets: the prompts (26 tokens) fill the 32-token prefill graph, the decode steps
 # the 4- and 1-sequence decode graphs.
 BUCKETS = {"prefill_graph_tokens": "16,32", "decode_graph_bs": "1,4", "max_model_len": 128}
@@ -95,13 +107,44 @@ def test_split_model_gives_one_gpus_logits_in_every_graph_mode(case, tmp_path):
                                       tmp_path / "reference.pt")
     (results,) = split_runs(spec.ranks, "cuda", [(spec.model, list(runs.values()))],
                             tmp_path / "split.pt")
-    errors = {}
-    for (name, args), (logits, _) in zip(runs.items(), results, strict=True):
-        expected, _ = reference_results[references.index(spec.reference_args(args))]
-        errors[name] = max(relative_error(ours, ref)
-                           for ours, ref in zip(logits, expected, strict=True))
-    print(f"\n{case}: largest relative error of each run's logits against one GPU")
+
+    def reference(args: dict) -> list[torch.Tensor]:
+        return reference_results[references.index(spec.reference_args(args))][0]
+
+    first_layout = next(iter(spec.layouts.values()))
+    spread = largest_error(*(reference(spec.run_args(first_layout, GRAPH_MODES[mode]))
+                             for mode in ("piecewise+breakable", "eager")))
+    tolerance = max(TOLERANCE, ROUNDING_MARGIN * spread)
+    errors = {name: largest_error(logits, reference(args))
+              for (name, args), (logits, _) in zip(runs.items(), results, strict=True)}
+    print(f"\n{case}: one GPU's piecewise run against its eager run: {spread:.2e}, so the "
+          f"tolerance is {tolerance:.2e}\nlargest relative error of each run's logits "
+          "against one GPU in the same mode:")
     for name, error in errors.items():
         print(f"  {name:32s} {error:.2e}")
-    failed = {name: f"{error:.2e}" for name, error in errors.items() if error > TOLERANCE}
-    assert not failed, f"logits beyond {TOLERANCE}: {failed}"
+    failed = {name: f"{error:.2e}" for name, error in errors.items() if error > tolerance}
+    assert not failed, f"logits beyond {tolerance:.2e}: {failed}"
+
+
+def largest_error(rows: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    return max(relative_error(ours, ref) for ours, ref in zip(rows, expected, strict=True))
+
+
+def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path):
+    """Rank 0's process compiled its kernels for a first engine; the second engine's worker
+    is a new process that has not. Their captures must still run the same collectives (a
+    warm-up on one rank alone once left the other waiting until NCCL's watchdog killed it),
+    and the second engine generates the first's tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    save_tiny_model("nemotron_h", tmp_path)  # attention, Mamba2 and MLP blocks
+    tokens = []
+    for _ in range(2):
+        llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="bfloat16", max_model_len=256)
+        try:
+            outputs = llm.generate([list(p) for p in PROMPTS],
+                                   SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        finally:
+            llm.close()
+        tokens.append([output.outputs[0].token_ids for output in outputs])
+    assert tokens[0] == tokens[1]

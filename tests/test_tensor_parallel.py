@@ -42,6 +42,7 @@ CASES = {
     # random weights split like loaded ones
     "qwen2-dummy": ("qwen2", 2, {"vocab_size": VOCAB + 1}, "dummy", TENSOR_PARALLEL),
     "qwen3_moe-dummy": ("qwen3_moe", 2, {}, "dummy", MOE_MODES),
+    "nemotron_h-dummy": ("nemotron_h", 2, {}, "dummy", TENSOR_PARALLEL),
 }
 
 

@@ -13,6 +13,8 @@ keeping whole groups.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -41,6 +43,11 @@ class DepthwiseConv(nn.Module):
         if loaded.dim() == 3:
             loaded = loaded.squeeze(1)
         load_rank_blocks(name, param.data, loaded, self.block_sizes)
+
+    def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
+        """Random taps (`draw(shape)`) for every channel, this rank's kept."""
+        param = getattr(self, name.rpartition(".")[2])
+        self.load_weight(name, draw((sum(self.block_sizes), *param.shape[1:])))
 
 
 class MambaMixer2(nn.Module):
@@ -76,6 +83,10 @@ class MambaMixer2(nn.Module):
         """dt_bias, A_log and D: this rank's heads."""
         param = getattr(self, name.rpartition(".")[2])
         load_rank_blocks(name, param.data, loaded, [self._full_heads])
+
+    def fill_dummy(self, name: str, draw: Callable[..., torch.Tensor]) -> None:
+        """Random dt_bias, A_log and D (`draw(shape)`) for every head, this rank's kept."""
+        self.load_weight(name, draw((self._full_heads,)))
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:

@@ -7,7 +7,7 @@ import zlib
 import torch
 from torch import nn
 
-from bcg.layers.norm import RMSNorm
+from bcg.layers.norm import GatedRMSNorm, RMSNorm
 
 
 @torch.no_grad()
@@ -33,9 +33,11 @@ def fill_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 return torch.empty(shape, device=device, dtype=dtype).normal_(
                     0.0, std, generator=generator)
 
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, GatedRMSNorm)):
                 param.fill_(1.0)
             elif hasattr(module, "fill_dummy"):
                 module.fill_dummy(name, draw)
             else:
+                # A module that cuts checkpoint tensors per rank must draw them whole.
+                assert not hasattr(module, "load_weight"), f"{type(module).__name__}.fill_dummy"
                 param.copy_(draw(tuple(param.shape)))

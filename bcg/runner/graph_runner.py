@@ -126,6 +126,11 @@ class GraphRunner:
         # graph break, so no rank's capture runs ahead of the collectives of another's.
         tp = tensor_parallel()
         self.barrier_fn = tp.barrier if tp.size > 1 else None
+        # Which kernels a process has compiled differs by rank (rank 0 may have run an engine
+        # before): a capture that warms up and retries on one rank alone would run collectives
+        # the others do not. So under tensor parallelism every size is warmed up, as a
+        # piecewise stack's must be (it compiles per size).
+        self.warm_up_every_size = mode == "piecewise" or tp.size > 1
         self.capture_seconds = 0.0  # warm-ups included
         self.warm_up_seconds = 0.0
         self.pool_bytes = 0
@@ -162,8 +167,8 @@ class GraphRunner:
         """Capture every bucket, largest first so smaller ones reuse the pool's blocks.
         Only the largest is warmed up beforehand (lazily made workspaces then land outside
         the pool); another is warmed up only if its capture meets a kernel variant not yet
-        compiled, which a capture cannot load. A piecewise stack compiles per size, so
-        each of its sizes is warmed up. Garbage is collected and the device synchronised
+        compiled, which a capture cannot load. Under `warm_up_every_size` each size is
+        warmed up beforehand. Garbage is collected and the device synchronised
         once per runner, not per bucket; the garbage collector is frozen meanwhile."""
         reserved = settled_reserved_bytes(self.device)
         sizes = sorted(self.buckets, reverse=True)
@@ -171,7 +176,7 @@ class GraphRunner:
         start = time.perf_counter()
         with frozen_gc():
             inputs = {size: self.capture_inputs(size) for size in sizes}
-            for size in sizes if self.mode == "piecewise" else sizes[:1]:
+            for size in sizes if self.warm_up_every_size else sizes[:1]:
                 self._warm_up(size, inputs[size])
             desc = f"capturing {self.kind} graphs ({self.mode})"
             for size in tqdm(sizes, desc=desc, unit="graph", leave=False):
