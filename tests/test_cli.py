@@ -231,6 +231,17 @@ def test_bad_input_exits_with_a_one_line_error(capsys, argv, message):
     assert "Hugging Face Hub" not in err
 
 
+def test_a_preset_without_a_tokenizer_is_refused_before_its_weights_load(monkeypatch, capsys):
+    def load(*args, **kwargs):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr("bcg.engine.llm.LLM.__init__", load)
+    code, _, err = run_cli(["generate", "--model", "qwen3-0.6b", "--load-format", "dummy",
+                            "hi"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "qwen3-0.6b has no tokenizer", "--tokenizer")
+
+
 def test_engine_errors_at_start_up_print_one_line(capsys):
     require_builtin_model()
     code, _, err = run_cli(["generate", "--device", "cpu", "--max-model-len", "100000", "hi"],
