@@ -70,6 +70,8 @@ def test_a_tiny_temperature_samples_greedily(llm):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(skip_special_tokens=0), "skip_special_tokens"),
+    (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
     (dict(stop=5), "stop"),
     (dict(stop=[1]), "stop"),
     (dict(n=0), "n"),

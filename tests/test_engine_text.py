@@ -33,6 +33,46 @@ def test_stop_string_ends_the_text_before_it(llm):
     assert stop not in cut.outputs[0].text
 
 
+def test_stop_reason_names_what_ended_the_text_and_the_text_may_keep_it(llm):
+    prompt = ["The days of the week are Monday,"]
+    [full] = llm.generate(prompt, GREEDY, use_tqdm=False)
+    text, token_ids = full.outputs[0].text, full.outputs[0].token_ids
+    assert full.outputs[0].stop_reason is None  # max_tokens: finish_reason "length"
+    stop = text[10:14]
+    kept = SamplingParams(temperature=0, max_tokens=16, stop=["never-appears", stop],
+                          include_stop_str_in_output=True)
+    [cut] = llm.generate(prompt, kept, use_tqdm=False)
+    assert cut.outputs[0].stop_reason == stop
+    assert cut.outputs[0].text == text[: text.index(stop) + len(stop)]
+    # A stop token: its text is left out unless asked for, as vLLM does.
+    stop_token = token_ids[3]
+    ends = token_ids.index(stop_token) + 1  # at its first appearance
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_token],
+                                include_stop_str_in_output=include)
+        [out] = llm.generate(prompt, params, use_tqdm=False)
+        assert out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].stop_reason == stop_token
+        assert out.outputs[0].token_ids == token_ids[:ends]
+        assert out.outputs[0].text == llm.tokenizer.decode(token_ids[: ends - (not include)])
+
+
+def test_eos_has_no_stop_reason_and_special_tokens_may_be_kept(llm):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    outputs = [llm.chat(question, SamplingParams(temperature=0, max_tokens=16,
+                                                 skip_special_tokens=skip, stop=["Paris"],
+                                                 include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0] for skip in (True, False)]
+    assert outputs[0].stop_reason == outputs[1].stop_reason == "Paris"
+    [answer] = llm.chat(question, GREEDY, use_tqdm=False)
+    assert answer.outputs[0].finish_reason == "stop" and answer.outputs[0].stop_reason is None
+    special = llm.tokenizer.all_special_ids
+    [raw] = llm.generate([llm.tokenizer.decode([special[0]]) + " Hello"],
+                         SamplingParams(temperature=0, max_tokens=4, skip_special_tokens=False,
+                                        logit_bias={special[0]: 100}), use_tqdm=False)
+    assert llm.tokenizer.decode([special[0]]) in raw.outputs[0].text
+
+
 def test_incremental_text_equals_a_full_decode(llm):
     tokenizer = llm.tokenizer
     text = "Unicode: café, 東京, emoji 😀👍 and   spaces\nnew line."

@@ -145,7 +145,10 @@ def test_concurrent_requests_equal_offline_generate(client):
 
 
 BAD_REQUESTS = [
-    ("malformed json", "/v1/completions", '{"model": "x", "prompt": ', 400, "JSON"),
+    ("malformed json", "/v1/completions", '{"model": "x", "prompt": ', 400,
+     "not valid JSON (Expecting value at character 25)"),
+    ("an array body", "/v1/completions", '[1, 2]', 400, "must be a JSON object"),
+    ("an empty body", "/v1/completions", '', 400, "the body is empty"),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("mistyped max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi",
@@ -180,6 +183,7 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, client, na
     assert response.status_code == status
     error = response.json()["error"]
     assert message in error["message"] and error["type"]
+    assert error["param"] is None or not error["param"].isdigit()  # a field, not an offset
     ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
     assert ok.choices[0].text
 

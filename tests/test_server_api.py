@@ -68,6 +68,13 @@ class Server:
         assert response.status_code == 200, response.text
         return response.json()
 
+    def stream(self, path: str, body: dict) -> list[dict]:
+        """Every chunk of a streamed response."""
+        with httpx.stream("POST", f"{self.base}{path}", json={**body, "stream": True},
+                          timeout=60) as response:
+            return [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                    if line.startswith("data: {")]
+
     def error(self, path: str, body: dict, status: int = 400) -> dict:
         response = self.post(path, body)
         assert response.status_code == status, response.text
@@ -117,15 +124,37 @@ def test_logit_bias_stop_token_ids_and_min_tokens_reach_the_engine(server):
     stopped = server.complete(prompt=PROMPT, max_tokens=8, temperature=0,
                               logit_bias={str(forced): 100}, stop_token_ids=[forced])
     assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["stop_reason"] == forced
+    assert stopped["choices"][0]["text"] == ""  # vLLM's: the stop token's text left out
     assert stopped["usage"]["completion_tokens"] == 1
+    kept = server.complete(prompt=PROMPT, max_tokens=8, temperature=0, stop_token_ids=[forced],
+                           logit_bias={str(forced): 100}, include_stop_str_in_output=True)
+    assert kept["choices"][0]["text"] == " banana"
 
     eos_first = server.complete(prompt=PROMPT, max_tokens=8, temperature=0,
                                 logit_bias={str(EOS): 100})
     assert eos_first["usage"]["completion_tokens"] == 1
+    assert eos_first["choices"][0]["stop_reason"] is None
+    special = server.complete(prompt=PROMPT, max_tokens=2, temperature=0, ignore_eos=True,
+                              logit_bias={str(EOS): 100}, skip_special_tokens=False)
+    assert special["choices"][0]["text"] == "<|im_end|>" * 2
     held_back = server.complete(prompt=PROMPT, max_tokens=8, temperature=0, min_tokens=4,
                                 logit_bias={str(EOS): 100})
     assert held_back["choices"][0]["finish_reason"] == "stop"
     assert held_back["usage"]["completion_tokens"] == 5  # four, then the favoured EOS
+
+
+def test_a_chat_stopped_by_a_string_names_it_in_stop_reason(server):
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 0,
+            "stop": ["never-appears", "Paris"]}
+    choice = server.post("/v1/chat/completions", body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "Paris"
+    assert "Paris" not in choice["message"]["content"]
+    kept = server.post("/v1/chat/completions", {**body, "include_stop_str_in_output": True})
+    assert kept.json()["choices"][0]["message"]["content"] == choice["message"]["content"] + "Paris"
+    chunks = server.stream("/v1/chat/completions", body)
+    last = [c["choices"][0] for c in chunks if c["choices"]][-1]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == "Paris"
 
 
 def test_penalties_min_p_and_top_k_change_sampling(server):
@@ -173,8 +202,6 @@ REFUSED = [
     ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
-    ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
-    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),

@@ -15,13 +15,17 @@ from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalDetokenizer:
-    def __init__(self, backend: Tokenizer, stop: list[str]) -> None:
-        """`backend`: the tokenizer's Rust `tokenizers.Tokenizer` (see `fast_backend`)."""
+    def __init__(self, backend: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop_str: bool = False) -> None:
+        """`backend`: the tokenizer's Rust `tokenizers.Tokenizer` (see `fast_backend`);
+        `include_stop_str`: the text keeps the stop string that ended it."""
         self.backend = backend
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
+        self.include_stop_str = include_stop_str
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
+        self.stop_string: str | None = None  # the stop string found, once one is
 
     def add(self, token_id: int, may_stop: bool = True) -> bool:
         """Append a token; return True if the text now contains a stop string (then cut).
@@ -40,10 +44,15 @@ class IncrementalDetokenizer:
         return self.text[: max(0, len(self.text) - self.max_stop_len + 1)]
 
     def _cut_at_stop(self, search_from: int) -> bool:
-        found = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
-        if found:
-            self.text = self.text[: min(found)]
-        return bool(found)
+        """Cut the text at the stop string that starts first (the first listed, of those
+        starting there)."""
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not found:
+            return False
+        start, self.stop_string = min(found, key=lambda match: match[0])
+        end = start + len(self.stop_string) if self.include_stop_str else start
+        self.text = self.text[:end]
+        return True
 
 
 def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:

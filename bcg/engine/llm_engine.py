@@ -85,6 +85,7 @@ class _Request:
     logprobs: list[PositionLogprobs] | None = None  # per generated token, if asked for
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
@@ -200,7 +201,9 @@ class LLMEngine:
             generator.manual_seed(sampling_params.seed)
         seq = Sequence(request_id, token_ids, sampling_params, generator)
         detokenizer = (
-            IncrementalDetokenizer(self._decoder, sampling_params.stop)
+            IncrementalDetokenizer(self._decoder, sampling_params.stop,
+                                   sampling_params.skip_special_tokens,
+                                   sampling_params.include_stop_str_in_output)
             if self._decoder is not None else None
         )
         text = prompt if isinstance(prompt, str) else None
@@ -340,10 +343,16 @@ class LLMEngine:
         if request.logprobs is not None:
             request.logprobs.append(self._position_logprobs(token_id, logprobs))
             request.cumulative_logprob += logprobs[0]
-        may_stop = seq.num_known_output_tokens >= seq.sampling_params.min_tokens
+        params = seq.sampling_params
+        may_stop = seq.num_known_output_tokens >= params.min_tokens
+        # As in vLLM, the EOS or stop token that ends the text is not in it, unless asked.
+        is_stop_token = token_id in params.stop_token_ids or (
+            token_id in self.eos_token_ids and not params.ignore_eos)
         stopped_by_text = (request.detokenizer is not None
+                           and (not is_stop_token or params.include_stop_str_in_output)
                            and request.detokenizer.add(token_id, may_stop))
-        reason = self._finish_reason(seq, token_id, stopped_by_text)
+        reason, request.stop_reason = self._finish_reason(seq, token_id, request.detokenizer
+                                                          if stopped_by_text else None)
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
@@ -374,14 +383,21 @@ class LLMEngine:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _finish_reason(self, seq: Sequence, token_id: int, stopped_by_text: bool) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int,
+                       stopped_by: IncrementalDetokenizer | None
+                       ) -> tuple[str | None, int | str | None]:
+        """vLLM's finish_reason and stop_reason: the stop string (of `stopped_by`, the text
+        that found one) or stop token that ended `seq`; EOS ends it with no stop_reason."""
         params = seq.sampling_params
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        if stopped_by_text or is_eos or token_id in params.stop_token_ids:
-            return "stop"
+        if stopped_by is not None:
+            return "stop", stopped_by.stop_string
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
         if seq.num_known_output_tokens >= params.max_tokens:  # admission kept max_model_len
-            return "length"
-        return None
+            return "length", None
+        return None, None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self._requests[seq.request_id]
@@ -392,6 +408,7 @@ class LLMEngine:
             text=detokenizer.visible_text(seq.is_finished) if detokenizer else "",
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason,
+            stop_reason=request.stop_reason,
             logprobs=None if logprobs is None else list(logprobs),
             cumulative_logprob=None if logprobs is None else request.cumulative_logprob,
         )

@@ -23,6 +23,8 @@ class CompletionOutput:
     text: str  # generated text so far (all of it once finished)
     token_ids: list[int]  # generated token ids so far
     finish_reason: str | None  # "stop" (EOS, stop token or string), "length", "abort"
+    # vLLM's: the stop string or stop token id that ended it; None for EOS and the others
+    stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None  # one per generated token, if asked for
     cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs
 

@@ -23,9 +23,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     max_tokens: int = 16  # most new tokens; 0 only scores the prompt (with prompt_logprobs)
     min_tokens: int = 0  # no EOS or stop token before this many new tokens
-    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop: list[str] = field(default_factory=list)  # stop strings (cut from the text)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     stop_token_ids: list[int] = field(default_factory=list)  # stop tokens besides EOS
     ignore_eos: bool = False  # keep generating past EOS
+    skip_special_tokens: bool = True  # leave special tokens (<|im_end|>, ...) out of the text
     seed: int | None = None  # reproducible sampling whatever else is in the batch
     logprobs: int | None = None  # logprobs of each new token and of this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
@@ -68,7 +70,9 @@ class SamplingParams:
                "an integer >= 0")
         _check(self.min_tokens, "min_tokens", is_int(self.min_tokens) and
                0 <= self.min_tokens <= self.max_tokens, "an integer in [0, max_tokens]")
-        _check(self.ignore_eos, "ignore_eos", isinstance(self.ignore_eos, bool), "true or false")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check(getattr(self, name), name, isinstance(getattr(self, name), bool),
+                   "true or false")
         _check(self.seed, "seed", self.seed is None or (
             is_int(self.seed) and -2**63 <= self.seed < 2**64), "None or a 64-bit integer")
         for name in ("logprobs", "prompt_logprobs"):

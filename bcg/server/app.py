@@ -400,7 +400,8 @@ class _CompletionFormat:
             prompt_positions = output.prompt_logprobs or [None] * len(prompt_ids)
             token_ids, positions = [*prompt_ids, *token_ids], [*prompt_positions, *positions]
         choice = {"index": index, "text": text, "logprobs": None,
-                  "finish_reason": completion.finish_reason}
+                  "finish_reason": completion.finish_reason,
+                  "stop_reason": completion.stop_reason}
         if self.body.logprobs is not None:
             logprobs = completion_logprobs(token_ids, positions, self.body.logprobs, strings,
                                            sent.offset)
@@ -423,7 +424,8 @@ class _ChatFormat:
             choices.append({"index": index,
                             "message": {"role": "assistant", "content": completion.text},
                             "logprobs": self._logprobs(final[index], _Sent()),
-                            "finish_reason": completion.finish_reason})
+                            "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason})
         response = {**self.run.header("chat.completion"), "choices": choices,
                     "usage": self.run.usage()}
         if self.body.prompt_logprobs is not None and final:
@@ -434,14 +436,15 @@ class _ChatFormat:
         header = self.run.header("chat.completion.chunk")
         for index in range(len(self.run.request_ids)):
             yield {**header, "choices": [_chat_delta(index, {"role": "assistant", "content": ""},
-                                                     None, None)]}
+                                                     None, None, None)]}
         sent: dict[int, _Sent] = {}
         async for index, output in self.run.results():
             state = sent.setdefault(index, _Sent())
             completion = output.outputs[0]
             delta = {"content": state.new_text(completion.text)}
             yield {**header, "choices": [_chat_delta(index, delta, self._logprobs(output, state),
-                                                     completion.finish_reason)]}
+                                                     completion.finish_reason,
+                                                     completion.stop_reason)]}
         if self.body.include_usage:
             yield {**header, "choices": [], "usage": self.run.usage()}
 
@@ -453,8 +456,10 @@ class _ChatFormat:
                                          TokenText())}  # generated tokens: all decoded
 
 
-def _chat_delta(index: int, delta: dict, logprobs: dict | None, reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+def _chat_delta(index: int, delta: dict, logprobs: dict | None, reason: str | None,
+                stop_reason: int | str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+            "stop_reason": stop_reason}
 
 
 async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -628,10 +633,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _describe(problem: dict) -> str:
     kind = problem.get("type")
     if kind == "json_invalid":
-        return f"the body is not valid JSON ({problem.get('ctx', {}).get('error', 'parse error')})"
+        where = problem.get("loc", ())[-1]  # ("body", the character offset)
+        return (f"the body is not valid JSON ({problem.get('ctx', {}).get('error', 'parse error')}"
+                + (f" at character {where})" if isinstance(where, int) else ")"))
     if kind == "lone_surrogate":
         return problem["msg"]
     path = _field_path(problem)
+    if not path:  # the body as a whole
+        if kind == "missing":
+            return "the body is empty: send the request's fields as a JSON object"
+        return ("the body must be a JSON object of the request's fields, sent with "
+                "content-type: application/json")
     if kind == "extra_forbidden":
         return (f"{path}: unknown field: this server does not implement it (see the README's "
                 "Serving section for the fields it takes)")
@@ -642,6 +654,8 @@ def _describe(problem: dict) -> str:
 def _param(problem: dict) -> str:
     if problem.get("type") == "lone_surrogate":
         return problem.get("ctx", {}).get("path", "")
+    if problem.get("type") == "json_invalid":  # its place is a character offset, not a field
+        return ""
     return _field_path(problem)
 
 

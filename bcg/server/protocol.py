@@ -87,10 +87,11 @@ class SamplingFields(StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id, for the caller's records: not used
-    # vLLM's fields, accepted with the values this server always behaves by.
-    skip_special_tokens: bool | None = None  # special tokens are always left out of text
-    include_stop_str_in_output: bool | None = None  # a stop string is always cut off
-    spaces_between_special_tokens: bool | None = None  # special tokens are never in text
+    skip_special_tokens: bool | None = None  # vLLM's: special tokens left out of text (true)
+    include_stop_str_in_output: bool | None = None  # vLLM's: keep the stop string (false)
+    # vLLM's, accepted and not used: like vLLM with a fast tokenizer, the text of special
+    # tokens is never spaced apart.
+    spaces_between_special_tokens: bool | None = None
 
     _streamed_prompt_logprobs_instead: ClassVar[str] = ""  # a hint for the refusal
     prompt_field: ClassVar[str] = "prompt"  # the field an error in the prompt names
@@ -131,10 +132,6 @@ class SamplingFields(StrictModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             return ("stream_options.continuous_usage_stats", "usage in every chunk is not "
                     "supported: include_usage gives it in a last chunk")
-        if self.skip_special_tokens is False:
-            return ("skip_special_tokens", "special tokens are always left out of the text")
-        if self.include_stop_str_in_output:
-            return ("include_stop_str_in_output", "the text always ends before a stop string")
         return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -154,6 +151,8 @@ class SamplingFields(StrictModel):
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=_default(self.skip_special_tokens, True),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
             seed=self.seed,
             logprobs=self.logprobs_per_token(),
             prompt_logprobs=self.engine_prompt_logprobs(max_tokens),
