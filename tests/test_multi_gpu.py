@@ -1,5 +1,5 @@
-"""Tensor and expert parallelism on several GPUs (NCCL, bf16, dummy weights of the presets):
-the logits of a model split over N GPUs match those of one GPU in the same graph mode within
+"""Tensor and expert parallelism on several GPUs (NCCL, bf16; the GPU suite's tiny models and
+the presets with dummy weights): the logits of a model split over N GPUs match those of one GPU in the same graph mode within
 the GPU suite's bf16 tolerance, in every graph mode (breakable prefill with full decode
 graphs, piecewise prefill with breakable decode graphs, eager, debug mode) and for each
 parallel layout of the model (tensor parallel; MoE also expert parallel with either
@@ -22,6 +22,7 @@ weights were drawn per rank)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,10 +54,11 @@ MOE = {"tp": {},
 
 @dataclass(frozen=True)
 class Case:
-    model: str  # a preset (dummy weights)
+    model: str  # a preset (dummy weights), or with `tiny` an architecture of tests/hf_tiny.py
     ranks: int
     layouts: dict[str, dict]  # name -> engine arguments
     hf_overrides: dict | None = None
+    tiny: bool = False  # a tiny random model saved as a Hugging Face folder (its weights)
 
     def runs(self) -> dict[str, dict]:
         """Each layout in each graph mode: name -> engine arguments."""
@@ -77,11 +79,23 @@ class Case:
                 if k not in ("enable_expert_parallel", "ep_dispatch")}
 
     def common_args(self) -> dict:
-        return {"load_format": "dummy", "dtype": "bfloat16", "hf_overrides": self.hf_overrides,
-                **BUCKETS}
+        return {"load_format": "auto" if self.tiny else "dummy", "dtype": "bfloat16",
+                "hf_overrides": self.hf_overrides, **BUCKETS}
+
+    def model_path(self, folder: Path) -> str:
+        """The preset's name, or the tiny model saved in `folder`."""
+        if not self.tiny:
+            return self.model
+        save_tiny_model(self.model, folder, max_position_embeddings=BUCKETS["max_model_len"])
+        return str(folder)
 
 
 CASES = {
+    # the GPU suite's tiny models (tests/test_graph_runners_gpu.py), split
+    "tiny-llama-tp2": Case("llama", 2, DENSE, tiny=True),
+    "tiny-qwen3-tp2": Case("qwen3", 2, DENSE, tiny=True),
+    "tiny-qwen3_moe-2gpus": Case("qwen3_moe", 2, MOE, tiny=True),
+    "tiny-nemotron_h-tp2": Case("nemotron_h", 2, DENSE, tiny=True),
     "qwen3-8b-tp2": Case("qwen3-8b", 2, DENSE),
     "qwen3-30b-a3b-2gpus": Case("qwen3-30b-a3b", 2, MOE),
     "nemotron-h-8b-tp2": Case("nemotron-h-8b", 2, DENSE),
@@ -97,15 +111,16 @@ def test_split_model_gives_one_gpus_logits_in_every_graph_mode(case, tmp_path):
     visible = torch.cuda.device_count()
     if visible < spec.ranks:
         pytest.skip(f"needs {spec.ranks} GPUs, {visible} visible")
+    model = spec.model_path(tmp_path / "model")
     runs = spec.runs()
     references = []  # each distinct one-GPU run once
     for args in runs.values():
         if spec.reference_args(args) not in references:
             references.append(spec.reference_args(args))
     # Each in its own processes: the references' memory is back before the split model loads.
-    (reference_results,) = split_runs(1, "cuda", [(spec.model, references)],
+    (reference_results,) = split_runs(1, "cuda", [(model, references)],
                                       tmp_path / "reference.pt")
-    (results,) = split_runs(spec.ranks, "cuda", [(spec.model, list(runs.values()))],
+    (results,) = split_runs(spec.ranks, "cuda", [(model, list(runs.values()))],
                             tmp_path / "split.pt")
 
     def reference(args: dict) -> list[torch.Tensor]:
