@@ -633,7 +633,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _describe(problem: dict) -> str:
     kind = problem.get("type")
     if kind == "json_invalid":
-        where = problem.get("loc", ())[-1]  # ("body", the character offset)
+        where = (problem.get("loc") or ("body",))[-1]  # ("body", the character offset)
         return (f"the body is not valid JSON ({problem.get('ctx', {}).get('error', 'parse error')}"
                 + (f" at character {where})" if isinstance(where, int) else ")"))
     if kind == "lone_surrogate":
