@@ -345,16 +345,20 @@ class LLMEngine:
             request.cumulative_logprob += logprobs[0]
         params = seq.sampling_params
         may_stop = seq.num_known_output_tokens >= params.min_tokens
+        ends_text, token_stop_reason = self._stop_token(token_id, params)
         # As in vLLM, the EOS or stop token that ends the text is not in it, unless asked.
-        is_stop_token = token_id in params.stop_token_ids or (
-            token_id in self.eos_token_ids and not params.ignore_eos)
         stopped_by_text = (request.detokenizer is not None
-                           and (not is_stop_token or params.include_stop_str_in_output)
+                           and (not ends_text or params.include_stop_str_in_output)
                            and request.detokenizer.add(token_id, may_stop))
-        reason, request.stop_reason = self._finish_reason(seq, token_id, request.detokenizer
-                                                          if stopped_by_text else None)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
+        if stopped_by_text:
+            reason, request.stop_reason = "stop", request.detokenizer.stop_string
+        elif ends_text:
+            reason, request.stop_reason = "stop", token_stop_reason
+        elif seq.num_known_output_tokens >= params.max_tokens:  # admission kept max_model_len
+            reason = "length"
+        else:
+            return
+        self.scheduler.finish(seq, reason)
 
     def _record_prompt_logprobs(self, seq: Sequence, position: int, scored: list) -> None:
         """Keep the logprobs of prompt tokens from `position` on, skipping those already kept
@@ -383,21 +387,14 @@ class LLMEngine:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _finish_reason(self, seq: Sequence, token_id: int,
-                       stopped_by: IncrementalDetokenizer | None
-                       ) -> tuple[str | None, int | str | None]:
-        """vLLM's finish_reason and stop_reason: the stop string (of `stopped_by`, the text
-        that found one) or stop token that ended `seq`; EOS ends it with no stop_reason."""
-        params = seq.sampling_params
-        if stopped_by is not None:
-            return "stop", stopped_by.stop_string
+    def _stop_token(self, token_id: int, params: SamplingParams) -> tuple[bool, int | None]:
+        """Whether `token_id` ends the text (EOS or a stop token), and vLLM's stop_reason for
+        it: the stop token's id; None for EOS."""
         if token_id in self.eos_token_ids and not params.ignore_eos:
-            return "stop", None
+            return True, None
         if token_id in params.stop_token_ids:
-            return "stop", token_id
-        if seq.num_known_output_tokens >= params.max_tokens:  # admission kept max_model_len
-            return "length", None
-        return None, None
+            return True, token_id
+        return False, None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self._requests[seq.request_id]
