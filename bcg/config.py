@@ -145,6 +145,13 @@ class EngineConfig:
         "so a graph break: needs --decode-graph breakable or none)",
         choices=DISPATCH_MODES,
     )
+    enable_torch_symm_mem: bool = _arg(
+        False,
+        "tensor parallel on GPUs: all-reduces up to 512 KiB (a decode step's hidden states) "
+        "through torch symmetric memory's one-shot kernel, each rank reading the others' "
+        "buffers over NVLink, instead of NCCL (SGLang's flag); where symmetric memory is "
+        "unavailable, logged, NCCL does them all. Off by default until measured on GPUs",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):  # LLM(...) skips argparse's types: "100" would fail in a compare

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of integers (on the host: `triton.cdiv` costs microseconds a call)."""
@@ -26,3 +28,11 @@ def one_line(error: BaseException, limit: int | None = None) -> str:
     if limit is not None and len(text) > limit:
         text = text[: limit - 3] + "..."
     return text
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (for a process group or a server
+    started next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -15,7 +15,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, require_cuda, write_results  # noqa: E402
+
+from bcg.utils import free_port  # noqa: E402
 
 STARTUP_SECONDS = 600
 REQUEST_TIMEOUT_SECONDS = 600
@@ -145,12 +146,6 @@ def summarize(results: list[Result], seconds: float) -> dict:
         "itl_p99_ms": float(np.percentile(itls, 99)) if itls else None,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -222,6 +222,7 @@ def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float 
     facts = {"config": name, "model": config.model, "tp": config.tensor_parallel_size,
              "expert_parallel": config.enable_expert_parallel,
              "ep_dispatch": config.ep_dispatch if config.enable_expert_parallel else None,
+             "torch_symm_mem": config.enable_torch_symm_mem,
              "decode_graph": config.decode_graph, "device": device_name(config),
              "torch": torch.__version__}
     return [{**facts, **row} for row in rows]

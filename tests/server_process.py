@@ -14,17 +14,13 @@ from contextlib import contextmanager
 
 import pytest
 
+from bcg.utils import free_port
+
 STARTUP_SECONDS = 120
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
 PROMPT = "The days of the week are Monday,"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -1,10 +1,11 @@
 """Tensor and expert parallelism on several GPUs (NCCL, bf16; the GPU suite's tiny models and
-the presets with dummy weights): the logits of a model split over N GPUs match those of one GPU in the same graph mode within
-the GPU suite's bf16 tolerance, in every graph mode (breakable prefill with full decode
-graphs, piecewise prefill with breakable decode graphs, eager, debug mode) and for each
-parallel layout of the model (tensor parallel; MoE also expert parallel with either
-dispatch). Where one GPU cannot hold the model, a few of its layers (`hf_overrides`) keep its
-shapes. A case skips unless as many GPUs as its ranks are visible.
+the presets with dummy weights): the logits of a model split over N GPUs match those of one
+GPU in the same graph mode within the GPU suite's bf16 tolerance, in every graph mode
+(breakable prefill with full decode graphs, piecewise prefill with breakable decode graphs,
+eager, debug mode) and for each parallel layout of the model (tensor parallel; MoE also
+expert parallel with either dispatch; the tiny models also with `--enable-torch-symm-mem`).
+Where one GPU cannot hold the model, a few of its layers (`hf_overrides`) keep its shapes. A
+case skips unless as many GPUs as its ranks are visible.
 
 The logits are those of `split_runs.step_logits`: a prefill of three prompts, a decode step
 of all three and one of the first alone, the decoded tokens fixed. One GPU in the same mode is
@@ -50,6 +51,11 @@ DENSE = {"tp": {}}
 MOE = {"tp": {},
        "ep-allreduce": {"enable_expert_parallel": True, "ep_dispatch": "allreduce"},
        "ep-alltoall": {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}}
+# The small all-reduces through torch symmetric memory instead of NCCL (on the tiny models).
+SYMM_MEM = {"enable_torch_symm_mem": True}
+DENSE_SYMM_MEM = {**DENSE, "tp symm-mem": SYMM_MEM}
+MOE_SYMM_MEM = {**MOE, "tp symm-mem": SYMM_MEM,
+                "ep-allreduce symm-mem": {**MOE["ep-allreduce"], **SYMM_MEM}}
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class Case:
     def reference_args(run_args: dict) -> dict:
         """The same run on one GPU: the model whole."""
         return {k: v for k, v in run_args.items()
-                if k not in ("enable_expert_parallel", "ep_dispatch")}
+                if k not in ("enable_expert_parallel", "ep_dispatch", *SYMM_MEM)}
 
     def common_args(self) -> dict:
         return {"load_format": "auto" if self.tiny else "dummy", "dtype": "bfloat16",
@@ -92,10 +98,10 @@ class Case:
 
 CASES = {
     # the GPU suite's tiny models (tests/test_graph_runners_gpu.py), split
-    "tiny-llama-tp2": Case("llama", 2, DENSE, tiny=True),
-    "tiny-qwen3-tp2": Case("qwen3", 2, DENSE, tiny=True),
-    "tiny-qwen3_moe-2gpus": Case("qwen3_moe", 2, MOE, tiny=True),
-    "tiny-nemotron_h-tp2": Case("nemotron_h", 2, DENSE, tiny=True),
+    "tiny-llama-tp2": Case("llama", 2, DENSE_SYMM_MEM, tiny=True),
+    "tiny-qwen3-tp2": Case("qwen3", 2, DENSE_SYMM_MEM, tiny=True),
+    "tiny-qwen3_moe-2gpus": Case("qwen3_moe", 2, MOE_SYMM_MEM, tiny=True),
+    "tiny-nemotron_h-tp2": Case("nemotron_h", 2, DENSE_SYMM_MEM, tiny=True),
     "qwen3-8b-tp2": Case("qwen3-8b", 2, DENSE),
     "qwen3-30b-a3b-2gpus": Case("qwen3-30b-a3b", 2, MOE),
     "nemotron-h-8b-tp2": Case("nemotron-h-8b", 2, DENSE),

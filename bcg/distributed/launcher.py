@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from bcg.distributed.parallel_state import (
     local_rank,
 )
 from bcg.models.config import ModelConfig
+from bcg.utils import free_port
 
 if TYPE_CHECKING:
     from bcg.runner.model_runner import ModelRunner
@@ -99,7 +99,7 @@ class Workers:
         if not self.spawned:
             rank_loop.join_group(config)
             return
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._spawn(config, init_method)
         try:
             self._wait_until_started()
@@ -262,9 +262,3 @@ def _receive(reports: Connection) -> tuple[str, str] | None:
         return reports.recv()
     except (EOFError, OSError):
         return None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -14,12 +14,22 @@ is long because a worker waits in it while the engine is idle.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+
+class CustomAllReduce(Protocol):
+    """An all-reduce kernel of our own for the messages it `takes` (bcg.distributed.symm_mem)."""
+
+    def takes(self, x: torch.Tensor) -> bool: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # the torch.distributed group; None for a single process
     cpu_group: Any = None  # a gloo group of the same ranks, for host-side messages
+    custom_all_reduce: CustomAllReduce | None = None  # else every all-reduce is the group's
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `total` items of `what`."""
@@ -48,9 +59,13 @@ class TensorParallel:
         return 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """Sum `x` over the ranks: in place through the group, or into a new tensor through
+        the custom kernel where it takes `x`; use the result."""
+        if self.size == 1:
+            return x
+        if self.custom_all_reduce is not None and self.custom_all_reduce.takes(x):
+            return self.custom_all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +114,16 @@ _current = TensorParallel()
 
 def tensor_parallel() -> TensorParallel:
     return _current
+
+
+def set_custom_all_reduce(custom: CustomAllReduce | None) -> None:
+    """Route the all-reduces it takes through `custom` (None: all through the group), for the
+    layers built from now on (they keep the `TensorParallel` they were built with); the one
+    it replaces is released."""
+    global _current
+    if _current.custom_all_reduce not in (None, custom):
+        _current.custom_all_reduce.release()
+    _current = replace(_current, custom_all_reduce=custom)
 
 
 # A worker waits in the CPU group for the next step as long as the engine is idle.
@@ -167,6 +192,7 @@ def destroy_tensor_parallel() -> None:
     """Leave the group (reset every CUDA graph that captured a collective first: destroying
     the group under live graphs hangs)."""
     global _current
+    set_custom_all_reduce(None)
     if dist.is_initialized():
         dist.destroy_process_group()
     _current = TensorParallel()

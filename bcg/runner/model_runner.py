@@ -27,8 +27,9 @@ import torch
 
 from bcg.config import EngineConfig
 from bcg.distributed.expert_parallel import set_expert_parallel
-from bcg.distributed.parallel_state import tensor_parallel
+from bcg.distributed.parallel_state import set_custom_all_reduce, tensor_parallel
 from bcg.distributed.step_channel import StepChannel
+from bcg.distributed.symm_mem import use_torch_symm_mem
 from bcg.forward import (
     ForwardBatch,
     ForwardContext,
@@ -101,8 +102,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             hash_triton_in_background()
         with startup_step(f"weights ({config.load_format})"):
-            # Before the model is built: its MoE layers take their experts by this setting.
+            # Before the model is built: its layers take their experts and collectives as set.
             set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch)
+            use_torch_symm_mem(config.enable_torch_symm_mem, self.dtype, self.device)
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         tp = tensor_parallel()  # this rank's heads
@@ -446,12 +448,13 @@ class ModelRunner:
         return peak - before
 
     def close(self) -> None:
-        """Drop the graphs and the KV cache: graphs that captured collectives must be gone
-        before the process group is."""
+        """Drop the graphs, the KV cache and the custom all-reduce: graphs that captured
+        collectives must be gone before the process group is."""
         for runner in self.graph_runners:
             runner.release()
         self.graph_runners.clear()
         self.kv_cache = None
+        set_custom_all_reduce(None)  # its buffer, once no graph holds its kernels
 
 
 def _plan_prompt_scoring(seqs: list[ScheduledSequence],

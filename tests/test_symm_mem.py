@@ -1,0 +1,175 @@
+"""The custom all-reduce through torch symmetric memory (`--enable-torch-symm-mem`).
+
+CPU: which tensors it takes, that `TensorParallel.all_reduce` routes them to it and the rest
+to the group, that a replaced or destroyed one is released, and that on the CPU (gloo, 2
+processes) the flag falls back to the group's backend on every rank. GPU (2 GPUs, NCCL): the
+kernel's sums equal NCCL's, eagerly and replayed from a CUDA graph on fresh data, in bf16 and
+fp32 (tests/test_multi_gpu.py runs whole models with it in every graph mode)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bcg.distributed import parallel_state
+from bcg.distributed.parallel_state import (
+    TensorParallel,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    set_custom_all_reduce,
+    tensor_parallel,
+)
+from bcg.distributed.symm_mem import MAX_BYTES, SymmMemAllReduce, use_torch_symm_mem
+from tests.server_process import free_port
+
+
+def cpu_kernel(dtype: torch.dtype = torch.bfloat16) -> SymmMemAllReduce:
+    """The kernel's bookkeeping over a plain buffer: enough for `takes`."""
+    return SymmMemAllReduce(torch.empty(MAX_BYTES // dtype.itemsize, dtype=dtype), "g", MAX_BYTES)
+
+
+def test_it_takes_small_aligned_contiguous_tensors_of_its_dtype_and_device():
+    kernel = cpu_kernel()
+    assert kernel.takes(torch.zeros(4, 4096, dtype=torch.bfloat16))
+    assert kernel.takes(torch.zeros(MAX_BYTES // 2, dtype=torch.bfloat16))
+    assert not kernel.takes(torch.zeros(MAX_BYTES // 2 + 8, dtype=torch.bfloat16))  # too large
+    assert not kernel.takes(torch.zeros(4, 4096))  # another dtype
+    assert not kernel.takes(torch.zeros(0, dtype=torch.bfloat16))
+    assert not kernel.takes(torch.zeros(3, dtype=torch.bfloat16))  # 6 bytes: not 16-aligned
+    assert not kernel.takes(torch.zeros(64, 32, dtype=torch.bfloat16).t())  # not contiguous
+    assert not kernel.takes(torch.zeros(64, dtype=torch.bfloat16)[1:9])  # a misaligned start
+
+
+def test_it_leaves_traced_code_to_the_group(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not cpu_kernel().takes(torch.zeros(4096, dtype=torch.bfloat16))
+
+
+class FakeKernel:
+    """Takes tensors of at most `largest` elements; counts calls and releases."""
+
+    def __init__(self, largest: int) -> None:
+        self.largest, self.calls, self.released = largest, 0, 0
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self.largest
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * 2  # what two ranks holding the same x sum to
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_all_reduce_sends_what_the_kernel_takes_to_it_and_the_rest_to_the_group(monkeypatch):
+    group_calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group: group_calls.append(x.numel()))
+    kernel = FakeKernel(largest=8)
+    tp = TensorParallel(0, 2, group="world", custom_all_reduce=kernel)
+    small, large = torch.ones(8), torch.ones(9)
+    assert torch.equal(tp.all_reduce(small), small * 2) and kernel.calls == 1
+    assert tp.all_reduce(large) is large and group_calls == [9]  # in place, through the group
+
+
+def test_a_replaced_or_destroyed_kernel_is_released():
+    first, second = FakeKernel(8), FakeKernel(8)
+    try:
+        set_custom_all_reduce(first)
+        set_custom_all_reduce(first)  # the same one again: kept
+        assert first.released == 0
+        set_custom_all_reduce(second)
+        assert (first.released, tensor_parallel().custom_all_reduce) == (1, second)
+        destroy_tensor_parallel()
+        assert second.released == 1 and tensor_parallel().custom_all_reduce is None
+    finally:
+        parallel_state._current = TensorParallel()
+
+
+def cpu_rank_main(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    init_tensor_parallel(2, "gloo", f"tcp://127.0.0.1:{port}", rank)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("bcg.distributed.symm_mem").addHandler(handler)
+    try:
+        use_torch_symm_mem(True, torch.float32, torch.device("cpu"))
+        assert tensor_parallel().custom_all_reduce is None
+        [warning] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        assert "needs CUDA devices" in warning and "stay on gloo" in warning, warning
+        x = torch.full((4,), float(rank + 1))
+        assert torch.equal(tensor_parallel().all_reduce(x), torch.full((4,), 3.0))
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_on_the_cpu_every_rank_falls_back_to_the_groups_backend():
+    mp.spawn(cpu_rank_main, args=(free_port(),), nprocs=2, join=True)
+
+
+def test_a_single_rank_ignores_the_flag(caplog):
+    with caplog.at_level(logging.INFO, logger="bcg.distributed.symm_mem"):
+        use_torch_symm_mem(True, torch.float32, torch.device("cpu"))
+    assert tensor_parallel().custom_all_reduce is None
+    assert "no effect on a single rank" in caplog.text
+
+
+def gpu_rank_main(rank: int, port: int) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    init_tensor_parallel(2, "nccl", f"tcp://127.0.0.1:{port}", rank, device)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            use_torch_symm_mem(True, dtype, device)
+            kernel = tensor_parallel().custom_all_reduce
+            assert kernel is not None, "symmetric memory did not set up on two GPUs"
+            for numel in (8, 4096, 7 * 4096, MAX_BYTES // dtype.itemsize):
+                check_eager(kernel, numel, dtype, device, rank)
+            check_graph_replays(kernel, dtype, device, rank)
+            set_custom_all_reduce(None)
+    finally:
+        destroy_tensor_parallel()
+
+
+def nccl_sum(x: torch.Tensor) -> torch.Tensor:
+    expected = x.clone()
+    dist.all_reduce(expected)
+    return expected
+
+
+def check_eager(kernel, numel: int, dtype: torch.dtype, device: torch.device, rank: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + rank)).to(device, dtype)
+    assert kernel.takes(x), (numel, dtype)
+    got = tensor_parallel().all_reduce(x)
+    torch.testing.assert_close(got, nccl_sum(x), rtol=0, atol=0, msg=f"{numel} x {dtype}")
+
+
+def check_graph_replays(kernel, dtype: torch.dtype, device: torch.device, rank: int) -> None:
+    """Three all-reduces in a row (the buffer reused by each), captured once, replayed on
+    fresh inputs: each replay sums the inputs it was given."""
+    static = torch.zeros(4, 4096, dtype=dtype, device=device)
+    tp = tensor_parallel()
+    tp.all_reduce(static)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tp.all_reduce(tp.all_reduce(tp.all_reduce(static)) * 0.5)
+    for trial in range(3):
+        fresh = torch.randn(4, 4096, generator=torch.Generator().manual_seed(10 * trial + rank))
+        static.copy_(fresh.to(dtype))
+        graph.replay()
+        expected = nccl_sum(nccl_sum(nccl_sum(static)) * 0.5)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"replay {trial}, {dtype}")
+    graph.reset()
+
+
+@pytest.mark.gpu
+def test_the_kernel_sums_as_nccl_does_eagerly_and_in_graphs_on_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    mp.spawn(gpu_rank_main, args=(free_port(),), nprocs=2, join=True)
