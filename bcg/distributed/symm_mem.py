@@ -41,10 +41,13 @@ class SymmMemAllReduce:
         """Whether `x` goes through this kernel (else NCCL): the buffer's device and dtype, at
         most `max_bytes`, contiguous, 16-byte aligned, and not being traced by torch.compile
         (Inductor lowers NCCL's all-reduce itself)."""
+        # Checked first: a traced tensor has no data pointer to look at.
+        if torch.compiler.is_compiling():
+            return False
         return (x.device == self.buffer.device and x.dtype == self.buffer.dtype
                 and 0 < x.numel() <= self.max_numel and x.is_contiguous()
                 and (x.numel() * x.element_size()) % ALIGNMENT == 0
-                and x.data_ptr() % ALIGNMENT == 0 and not torch.compiler.is_compiling())
+                and x.data_ptr() % ALIGNMENT == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in a new tensor."""
