@@ -150,7 +150,9 @@ class EngineConfig:
         "tensor parallel on GPUs: all-reduces up to 512 KiB (a decode step's hidden states) "
         "through torch symmetric memory's one-shot kernel, each rank reading the others' "
         "buffers over NVLink, instead of NCCL (SGLang's flag); where symmetric memory is "
-        "unavailable, logged, NCCL does them all. Off by default until measured on GPUs",
+        "unavailable (float16, ranks on several hosts, no peer access), logged, NCCL does "
+        "them all. Its barrier has no timeout: a rank that dies mid-step leaves the others "
+        "waiting (kill them). Off by default until measured on GPUs",
     )
 
     def __post_init__(self) -> None:

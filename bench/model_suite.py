@@ -52,6 +52,7 @@ from bench_offline import (  # noqa: E402
 )
 
 from bcg.config import EngineConfig  # noqa: E402
+from bcg.distributed.parallel_state import tensor_parallel  # noqa: E402
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.llm_engine import LLMEngine  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
@@ -177,11 +178,13 @@ def decode_rows(engine_args: dict, batch_sizes: Iterable[int] = DECODE_BATCH_SIZ
 def time_decodes(llm: LLM, batch_sizes: list[int], hbm_gbs: float | None,
                  floors: Floors) -> list[dict]:
     floor_bytes = {name: count(llm.engine.runner.model) for name, count in floors.items()}
+    # whether --enable-torch-symm-mem took effect (it falls back to NCCL, logged, if not)
+    custom_all_reduce = tensor_parallel().custom_all_reduce is not None
     rows = []
     for batch in batch_sizes:
         ms = measure(llm.engine, batch) * 1e3
         row = {"part": "decode", "batch_size": batch, "ms_per_step": ms,
-               "tokens_per_s": batch / ms * 1e3}
+               "tokens_per_s": batch / ms * 1e3, "custom_all_reduce": custom_all_reduce}
         for name, num_bytes in floor_bytes.items():
             row[f"{name}_bytes"] = num_bytes
             if hbm_gbs:

@@ -10,7 +10,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from bcg.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from bcg.distributed.parallel_state import (
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    tensor_parallel,
+)
 from bcg.layers.fused_moe import FusedMoE
 from tests.hf_tiny import VOCAB, PagedHarness
 from tests.server_process import free_port
@@ -32,6 +36,9 @@ def step_logits(model: str, device: str = "cpu", **engine_args
     token: fewer than the ranks): the logits of every row, and the model. On CUDA the
     runner (its graphs) is closed before returning."""
     harness = PagedHarness(model, device=device, **engine_args)
+    if engine_args.get("enable_torch_symm_mem") and torch.device(device).type == "cuda":
+        # a fallback to NCCL would pass as well: the run must test the kernel
+        assert tensor_parallel().custom_all_reduce is not None, "symmetric memory is off"
     try:
         seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
         prefill = harness.step(seqs, [len(p) for p in PROMPTS])

@@ -124,6 +124,13 @@ def test_a_port_out_of_range_is_refused(capsys, port):
     assert_one_line_error(err, "--port", port)
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_a_blank_served_model_name_is_refused(capsys, name):
+    code, _, err = run_cli(["serve", "--served-model-name", name], capsys)
+    assert code == 2
+    assert_one_line_error(err, "--served-model-name", "blank")
+
+
 def test_a_busy_port_is_refused_before_the_model_loads(capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

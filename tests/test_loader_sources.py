@@ -145,8 +145,11 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path):
     config["intermediate_size"] = 96
     config["num_hidden_layers"] = 3
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="lacks .* weights: model.layers.2"):
+    with pytest.raises(ValueError, match="lacks .* weights: model.layers.2") as refused:
         load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+    # named as the checkpoint names them, not by our merged projections
+    assert "model.layers.2.mlp.gate_proj.weight, model.layers.2.mlp.up_proj" in str(refused.value)
+    assert "self_attn.k_proj" in str(refused.value) and "qkv" not in str(refused.value)
 
 
 def test_hf_overrides_change_the_config_of_every_kind_of_source(tmp_path, caplog):

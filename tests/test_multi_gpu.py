@@ -151,17 +151,20 @@ def largest_error(rows: list[torch.Tensor], expected: list[torch.Tensor]) -> flo
     return max(relative_error(ours, ref) for ours, ref in zip(rows, expected, strict=True))
 
 
-def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path):
+@pytest.mark.parametrize("symm_mem", [False, True], ids=["nccl", "symm-mem"])
+def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path, symm_mem):
     """Rank 0's process compiled its kernels for a first engine; the second engine's worker
     is a new process that has not. Their captures must still run the same collectives (a
     warm-up on one rank alone once left the other waiting until NCCL's watchdog killed it),
-    and the second engine generates the first's tokens."""
+    and the second engine generates the first's tokens. With symmetric memory, the second
+    engine's buffer must be mapped afresh with its new worker's."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     save_tiny_model("nemotron_h", tmp_path)  # attention, Mamba2 and MLP blocks
     tokens = []
     for _ in range(2):
-        llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="bfloat16", max_model_len=256)
+        llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="bfloat16", max_model_len=256,
+                  enable_torch_symm_mem=symm_mem)
         try:
             outputs = llm.generate([list(p) for p in PROMPTS],
                                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)

@@ -23,8 +23,13 @@ from bcg.distributed.parallel_state import (
     set_custom_all_reduce,
     tensor_parallel,
 )
-from bcg.distributed.symm_mem import MAX_BYTES, SymmMemAllReduce, use_torch_symm_mem
-from tests.server_process import free_port
+from bcg.distributed.symm_mem import (
+    MAX_BYTES,
+    SymmMemAllReduce,
+    _unsupported,
+    use_torch_symm_mem,
+)
+from bcg.utils import free_port
 
 
 def cpu_kernel(dtype: torch.dtype = torch.bfloat16) -> SymmMemAllReduce:
@@ -44,11 +49,33 @@ def test_it_takes_small_aligned_contiguous_tensors_of_its_dtype_and_device():
     assert not kernel.takes(torch.zeros(64, dtype=torch.bfloat16)[1:9])  # a misaligned start
 
 
-def test_it_leaves_traced_code_to_the_group():
+def test_traced_all_reduces_go_through_the_group(monkeypatch):
     """Under torch.compile (piecewise graphs) NCCL's all-reduce, which Inductor lowers; the
-    check never reaches the data pointer a traced tensor does not have (no graph break)."""
-    takes = torch.compile(cpu_kernel().takes, backend="eager", fullgraph=True)
-    assert takes(torch.zeros(4096, dtype=torch.bfloat16)) is False
+    check never reaches the storage a traced tensor does not have (no graph break). On the
+    CPU the kernel itself would fail: reaching it fails the test."""
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group: x.mul_(2))
+    tp = TensorParallel(0, 2, group="world", custom_all_reduce=cpu_kernel())
+    all_reduce = torch.compile(tp.all_reduce, backend="eager", fullgraph=True)
+    x = torch.ones(4096, dtype=torch.bfloat16)
+    assert torch.equal(all_reduce(x.clone()), x * 2)
+
+
+def test_a_released_kernel_says_its_engine_is_closed():
+    kernel = cpu_kernel()
+    kernel.buffer = None  # what release() leaves (it also waits for the GPU)
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        kernel.takes(torch.zeros(8, dtype=torch.bfloat16))
+
+
+def test_float16_and_ranks_on_several_hosts_are_declined(monkeypatch):
+    tp, gpu = TensorParallel(0, 2), torch.device("cuda", 0)
+    assert "not torch.float16" in _unsupported(tp, torch.float16, gpu)
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("symm_mem::one_shot_all_reduce_copy_out",
+                                                          "CUDA"):
+        assert "no CUDA kernel" in _unsupported(tp, torch.bfloat16, gpu)
+        return
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert "several hosts" in _unsupported(tp, torch.bfloat16, gpu)
 
 
 class FakeKernel:
@@ -127,9 +154,9 @@ def gpu_rank_main(rank: int, port: int) -> None:
     init_tensor_parallel(2, "nccl", f"tcp://127.0.0.1:{port}", rank, device)
     try:
         for dtype in (torch.bfloat16, torch.float32):
-            use_torch_symm_mem(True, dtype, device)
-            kernel = tensor_parallel().custom_all_reduce
+            kernel = use_torch_symm_mem(True, dtype, device)
             assert kernel is not None, "symmetric memory did not set up on two GPUs"
+            assert tensor_parallel().custom_all_reduce is kernel
             for numel in (8, 4096, 7 * 4096, MAX_BYTES // dtype.itemsize):
                 check_eager(kernel, numel, dtype, device, rank)
             check_graph_replays(kernel, dtype, device, rank)
@@ -144,17 +171,20 @@ def nccl_sum(x: torch.Tensor) -> torch.Tensor:
     return expected
 
 
-def check_eager(kernel, numel: int, dtype: torch.dtype, device: torch.device, rank: int) -> None:
+def check_eager(kernel: SymmMemAllReduce, numel: int, dtype: torch.dtype, device: torch.device,
+                rank: int) -> None:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + rank)).to(device, dtype)
     assert kernel.takes(x), (numel, dtype)
     got = tensor_parallel().all_reduce(x)
     torch.testing.assert_close(got, nccl_sum(x), rtol=0, atol=0, msg=f"{numel} x {dtype}")
 
 
-def check_graph_replays(kernel, dtype: torch.dtype, device: torch.device, rank: int) -> None:
+def check_graph_replays(kernel: SymmMemAllReduce, dtype: torch.dtype, device: torch.device,
+                        rank: int) -> None:
     """Three all-reduces in a row (the buffer reused by each), captured once, replayed on
     fresh inputs: each replay sums the inputs it was given."""
     static = torch.zeros(4, 4096, dtype=dtype, device=device)
+    assert kernel.takes(static)
     tp = tensor_parallel()
     tp.all_reduce(static)  # warm up outside the capture
     torch.cuda.synchronize()

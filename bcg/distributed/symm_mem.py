@@ -9,16 +9,20 @@ all-reduce if they take it all). Each rank copies its part into a buffer every r
 mapped, the ranks meet at a barrier of device-side signals, and each sums all the buffers
 into its output: one launch, capturable in any CUDA graph. Larger messages, other dtypes
 and traced code (`torch.compile`) stay on NCCL.
+
+The barrier waits without a timeout: a rank that dies mid-step leaves the others spinning
+in the kernel (NCCL's abort cannot stop it), so they must be killed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
-from bcg.distributed.parallel_state import set_custom_all_reduce, tensor_parallel
+from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -26,28 +30,33 @@ logger = logging.getLogger(__name__)
 # other rank's part, so past a few hundred KiB NCCL's ring moves fewer bytes per rank.
 MAX_BYTES = 512 * 1024
 ALIGNMENT = 16  # the kernel's widest loads; the buffer and the input must agree on it
+DTYPES = (torch.bfloat16, torch.float32)  # what the kernel sums
+OP = "symm_mem::one_shot_all_reduce_copy_out"
 
 
 class SymmMemAllReduce:
-    """A one-shot all-reduce of `dtype` tensors up to `max_bytes` over the ranks of `group`,
-    through one symmetric buffer every rank has mapped."""
+    """A one-shot all-reduce of tensors of its buffer's dtype, up to `max_bytes`, over the
+    ranks of the group named `group_name`, through that buffer (mapped by every rank)."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int) -> None:
-        self.buffer = buffer  # flat, `dtype`, allocated by symm_mem.empty and rendezvoused
+        self.buffer: torch.Tensor | None = buffer  # flat; None once released
         self.group_name = group_name
         self.max_numel = max_bytes // buffer.element_size()
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through this kernel (else NCCL): the buffer's device and dtype, at
-        most `max_bytes`, contiguous, 16-byte aligned, and not being traced by torch.compile
-        (Inductor lowers NCCL's all-reduce itself)."""
-        # Checked first: a traced tensor has no data pointer to look at.
+        most `max_bytes`, contiguous, starting 16 bytes into its storage (allocations are
+        aligned) and not traced by torch.compile (Inductor lowers NCCL's all-reduce itself).
+        Every rank answers alike: the answer depends on shapes and offsets only."""
+        # Checked first: a traced tensor has no storage to look at.
         if torch.compiler.is_compiling():
             return False
+        if self.buffer is None:
+            raise RuntimeError("this all-reduce's engine is closed: build the model again")
         return (x.device == self.buffer.device and x.dtype == self.buffer.dtype
                 and 0 < x.numel() <= self.max_numel and x.is_contiguous()
                 and (x.numel() * x.element_size()) % ALIGNMENT == 0
-                and x.data_ptr() % ALIGNMENT == 0)
+                and (x.storage_offset() * x.element_size()) % ALIGNMENT == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in a new tensor."""
@@ -57,48 +66,85 @@ class SymmMemAllReduce:
         return out
 
     def release(self) -> None:
-        """Let the buffer go once no kernel may still read it (every rank's graphs are gone)."""
-        torch.cuda.synchronize(self.buffer.device)
-        del self.buffer
+        """Free the buffer once no kernel of this rank may still read it (a peer's last
+        kernel has passed its closing barrier when ours has)."""
+        if self.buffer is not None:
+            torch.cuda.synchronize(self.buffer.device)
+            self.buffer = None
 
 
 def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
-                       max_bytes: int = MAX_BYTES) -> None:
+                       max_bytes: int = MAX_BYTES) -> SymmMemAllReduce | None:
     """With `enabled` and several ranks, set the one-shot all-reduce of messages up to
-    `max_bytes` up on every rank (a collective: every rank calls this at the same point,
-    before its model is built), or log why it cannot run here: then the group's backend does
-    every all-reduce."""
+    `max_bytes` up on every rank and return it (a collective: every rank calls this at the
+    same point, before its model is built); or log why it cannot run here and return None:
+    then the group's backend does every all-reduce."""
     tp = tensor_parallel()
     if not enabled or tp.size == 1:
         if enabled:
             logger.info("--enable-torch-symm-mem has no effect on a single rank")
-        return
-    from torch.distributed import _symmetric_memory as symm_mem  # only when asked for
-
-    reason = _unsupported(device)
-    buffer = None
-    if reason is None:
-        try:
-            buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        except RuntimeError as error:
-            reason = f"symmetric memory cannot be allocated here ({error})"
+        return None
+    reason = _unsupported(tp, dtype, device)
+    buffer, reason = _allocate(max_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
-    if tp.min_over_ranks(int(buffer is not None)) == 0:
-        logger.warning("--enable-torch-symm-mem: %s; all-reduces stay on %s",
-                       reason or "another rank cannot use symmetric memory",
-                       dist.get_backend(tp.group))
-        return
-    group_name = tp.group.group_name
-    symm_mem.rendezvous(buffer, group_name)
-    logger.info("all-reduces of %s up to %d KiB run through torch symmetric memory "
-                "(one-shot), larger ones through NCCL", dtype, max_bytes // 1024)
-    set_custom_all_reduce(SymmMemAllReduce(buffer, group_name, max_bytes))
+    if _agreed(tp, buffer is not None, reason):
+        reason = _rendezvous(buffer, tp.group.group_name)
+        if _agreed(tp, reason is None, reason):
+            kernel = SymmMemAllReduce(buffer, tp.group.group_name, max_bytes)
+            set_custom_all_reduce(kernel)
+            logger.info("all-reduces of %s up to %d KiB run through torch symmetric memory "
+                        "(one-shot), larger ones through NCCL", dtype, max_bytes // 1024)
+            return kernel
+    return None
 
 
-def _unsupported(device: torch.device) -> str | None:
+def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why this rank cannot use the kernel, or None."""
     if device.type != "cuda":
         return f"it needs CUDA devices, and this rank runs on {device}"
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-        return f"this torch ({torch.__version__}) has no symm_mem one_shot_all_reduce_copy_out"
+    if dtype not in DTYPES:
+        return f"the kernel sums bfloat16 and float32, not {dtype}"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CUDA"):
+        return f"this torch ({torch.__version__}) has no CUDA kernel for {OP}"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
+        return "the ranks span several hosts, and the kernel reads peers' memory directly"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not all(torch.cuda.can_device_access_peer(index, peer)
+               for peer in range(tp.size) if peer != index):
+        return "this GPU cannot read the other ranks' GPUs directly (no peer access)"
     return None
+
+
+def _allocate(max_bytes: int, dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor | None, str | None]:
+    """The buffer, or why it cannot be had. Not from symm_mem.empty's process-wide pool,
+    which keeps a freed block and its peers' mappings: a later engine would get them back
+    and skip the exchange that its fresh workers wait in."""
+    from torch.distributed import _symmetric_memory as symm_mem  # only when asked for
+
+    numel = max_bytes // dtype.itemsize
+    try:
+        return symm_mem._SymmetricMemory.empty_strided_p2p((numel,), (1,), dtype, device), None
+    except RuntimeError as error:
+        return None, f"symmetric memory cannot be allocated here ({error})"
+
+
+def _rendezvous(buffer: torch.Tensor, group_name: str) -> str | None:
+    """Map every rank's buffer on every rank; why it failed, or None."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    try:
+        symm_mem.rendezvous(buffer, group_name)
+    except RuntimeError as error:
+        return f"the ranks could not map each other's buffers ({error})"
+    return None
+
+
+def _agreed(tp: TensorParallel, ok: bool, reason: str | None) -> bool:
+    """Whether every rank is `ok`; if not, log why (this rank's reason, if it has one)."""
+    if tp.min_over_ranks(int(ok)):
+        return True
+    logger.warning("--enable-torch-symm-mem: %s; all-reduces stay on %s",
+                   reason or "another rank cannot use symmetric memory",
+                   dist.get_backend(tp.group))
+    return False

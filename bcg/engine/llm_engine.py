@@ -13,7 +13,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jinja2
 import torch
@@ -25,7 +25,7 @@ from bcg.distributed.parallel_state import launched_rank
 from bcg.engine.block_manager import BlockManager
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from bcg.engine.sampling_params import SamplingParams
+from bcg.engine.sampling_params import SamplingParams, SamplingParamsError
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
 from bcg.loader.model_source import ModelSource
@@ -120,11 +120,12 @@ def prefix_caching_enabled(config: EngineConfig, num_state_slots: int) -> bool:
 
 
 class BadPromptError(ValueError):
-    """A prompt (or its sampling params) of `add_requests` is refused: `index` names it."""
+    """A prompt (or its sampling params) of `add_requests` is refused: `index` names it, and
+    `field` the sampling param at fault, if one is."""
 
-    def __init__(self, index: int, reason: str) -> None:
+    def __init__(self, index: int, reason: str, field: str | None = None) -> None:
         super().__init__(f"prompt {index}: {reason}")
-        self.index, self.reason = index, reason
+        self.index, self.reason, self.field = index, reason, field
 
 
 class LLMEngine:
@@ -185,6 +186,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request (text or token ids); return its id. Raises ValueError on bad input."""
+        self._require_open()
         sampling_params = sampling_params or SamplingParams()
         require(isinstance(sampling_params, SamplingParams),
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
@@ -194,6 +196,8 @@ class LLMEngine:
             request_id = next(i for i in map(str, self._request_counter) if i not in self._requests)
         require(request_id not in self._requests, f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
+        if sampling_params.max_tokens is None:
+            sampling_params = self._up_to_max_model_len(sampling_params, len(token_ids))
         self._check_prompt(token_ids, sampling_params)
         generator = None
         if sampling_params.seed is not None:
@@ -228,7 +232,8 @@ class LLMEngine:
             for request_id in ids:
                 self.abort_request(request_id)
             if isinstance(error, ValueError):
-                raise BadPromptError(len(ids), str(error)) from error
+                field = error.field if isinstance(error, SamplingParamsError) else None
+                raise BadPromptError(len(ids), str(error), field) from error
             raise
         return ids
 
@@ -260,6 +265,7 @@ class LLMEngine:
 
         With overlapped steps the outputs are those of the step before, whose tokens the
         host reads only after it has issued this one: the device never waits for the host."""
+        self._require_open()
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._in_flight.needs_tokens_to_schedule():
@@ -324,6 +330,11 @@ class LLMEngine:
         """End the tensor-parallel workers and leave their group (also done when the engine
         is collected or the process exits); the engine cannot step afterwards."""
         self._close()
+
+    def _require_open(self) -> None:
+        if not self._close.alive:
+            raise RuntimeError("this engine is closed (close() was called): create a new one "
+                               "to generate again")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids: text is encoded, token ids are checked and copied."""
@@ -425,12 +436,23 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         require(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         bad_bias = [t for t in params.logit_bias or {} if t >= vocab_size]
-        require(not bad_bias, f"logit_bias names token ids {bad_bias[:5]} outside the "
-                f"vocabulary [0, {vocab_size})")
+        if bad_bias:
+            raise SamplingParamsError("logit_bias", f"logit_bias names token ids {bad_bias[:5]} "
+                                      f"outside the vocabulary [0, {vocab_size})")
         require(len(token_ids) + params.max_tokens <= self.max_model_len,
                 f"the prompt's {len(token_ids)} tokens plus max_tokens={params.max_tokens} "
                 f"exceed max_model_len={self.max_model_len}: lower max_tokens or shorten the "
                 "prompt")
+
+    def _up_to_max_model_len(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """`params` with max_tokens=None made the room max_model_len leaves after the prompt."""
+        room = self.max_model_len - prompt_len
+        require(room > 0, f"the prompt's {prompt_len} tokens fill max_model_len="
+                f"{self.max_model_len}, which leaves no room to generate: shorten the prompt")
+        require(params.min_tokens <= room, f"min_tokens={params.min_tokens} is more than the "
+                f"{room} tokens max_model_len={self.max_model_len} leaves after the prompt's "
+                f"{prompt_len}: lower min_tokens or shorten the prompt")
+        return replace(params, max_tokens=room)
 
     def _count(self, scheduled: SchedulerOutput, seconds: float) -> None:
         # Counted once the step is issued: a decode's one token follows its whole prompt.

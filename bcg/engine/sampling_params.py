@@ -5,9 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from bcg.config import require
 from bcg.layers.sampler import MAX_LOGPROBS
 from bcg.utils import is_int, is_number
+
+
+class SamplingParamsError(ValueError):
+    """A bad value of a `SamplingParams` field; `field` names it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = name
 
 
 @dataclass
@@ -21,7 +28,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
     repetition_penalty: float = 1.0  # divides (multiplies if < 0) logits of seen tokens; 1 = off
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    max_tokens: int = 16  # most new tokens; 0 only scores the prompt (with prompt_logprobs)
+    # Most new tokens (None: up to max_model_len); 0 only scores the prompt (with
+    # prompt_logprobs).
+    max_tokens: int | None = 16
     min_tokens: int = 0  # no EOS or stop token before this many new tokens
     stop: list[str] = field(default_factory=list)  # stop strings (cut from the text)
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
@@ -35,14 +44,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        require(isinstance(self.stop, list | tuple) and
-                all(isinstance(s, str) and s for s in self.stop),
-                f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        _require("stop", isinstance(self.stop, list | tuple) and
+                 all(isinstance(s, str) and s for s in self.stop),
+                 f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
-        require(isinstance(self.stop_token_ids, list | tuple) and
-                all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-                f"stop_token_ids must be a list of token ids (integers >= 0), got "
-                f"{self.stop_token_ids!r}")
+        _require("stop_token_ids", isinstance(self.stop_token_ids, list | tuple) and
+                 all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+                 f"stop_token_ids must be a list of token ids (integers >= 0), got "
+                 f"{self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_numbers()
         self._check_logit_bias()
@@ -66,10 +75,12 @@ class SamplingParams:
         _check(self.repetition_penalty, "repetition_penalty",
                is_number(self.repetition_penalty) and 0 < self.repetition_penalty and
                math.isfinite(self.repetition_penalty), "a finite number > 0")
-        _check(self.max_tokens, "max_tokens", is_int(self.max_tokens) and self.max_tokens >= 0,
-               "an integer >= 0")
-        _check(self.min_tokens, "min_tokens", is_int(self.min_tokens) and
-               0 <= self.min_tokens <= self.max_tokens, "an integer in [0, max_tokens]")
+        _check(self.max_tokens, "max_tokens", self.max_tokens is None or (
+            is_int(self.max_tokens) and self.max_tokens >= 0),
+            "an integer >= 0, or None (up to max_model_len)")
+        _check(self.min_tokens, "min_tokens", is_int(self.min_tokens) and 0 <= self.min_tokens
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+               "an integer in [0, max_tokens]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(getattr(self, name), name, isinstance(getattr(self, name), bool),
                    "true or false")
@@ -79,13 +90,13 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value, name, value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"None or an integer in [0, {MAX_LOGPROBS}]")
-        require(self.max_tokens > 0 or self.prompt_logprobs is not None,
-                "max_tokens=0 generates nothing: it only scores the prompt, so ask for "
-                "prompt_logprobs too (or raise max_tokens)")
+        _require("max_tokens", self.max_tokens != 0 or self.prompt_logprobs is not None,
+                 "max_tokens=0 generates nothing: it only scores the prompt, so ask for "
+                 "prompt_logprobs too (or raise max_tokens)")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
-        require(bias is None or (isinstance(bias, dict) and all(
+        _require("logit_bias", bias is None or (isinstance(bias, dict) and all(
             is_int(t) and t >= 0 and is_number(b) and -100 <= b <= 100
             for t, b in bias.items())),
             f"logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got "
@@ -102,4 +113,9 @@ class SamplingParams:
 
 
 def _check(value, name: str, ok: bool, expected: str) -> None:
-    require(ok, f"{name} must be {expected}, got {value!r}")
+    _require(name, ok, f"{name} must be {expected}, got {value!r}")
+
+
+def _require(name: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise SamplingParamsError(name, message)

@@ -70,12 +70,22 @@ class CausalLM(nn.Module, ABC):
                 continue
             key = self._load_one(name, tensor, modules, params)
             loaded.add(key)
-        missing = sorted(f"{name}[{shard}]" if shard is not None else name
-                         for name, shard in expected - loaded)
+        missing = sorted(self._checkpoint_name(name, block) for name, block in expected - loaded)
         if missing:
             raise ValueError(
                 f"the checkpoint lacks {len(missing)} weights: {', '.join(missing[:8])}"
             )
+
+    def _checkpoint_name(self, name: str, block: int | None) -> str:
+        """The checkpoint's name of parameter `name` (block `block` of a merged projection:
+        `layers.0.mlp.gate_up_proj.weight` block 1 is `layers.0.mlp.up_proj.weight`)."""
+        if block is None:
+            return name
+        module_path, _, param_name = name.rpartition(".")
+        prefix, _, merged = module_path.rpartition(".")
+        leaf = next(leaf for leaf, packed in self.packed_modules.items()
+                    if packed == (merged, block))
+        return f"{prefix}.{leaf}.{param_name}"
 
     def _load_one(self, name: str, tensor: torch.Tensor, modules: dict, params: dict):
         """Load one checkpoint tensor (each parallel layer takes its rank's part)."""

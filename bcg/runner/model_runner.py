@@ -104,7 +104,8 @@ class ModelRunner:
         with startup_step(f"weights ({config.load_format})"):
             # Before the model is built: its layers take their experts and collectives as set.
             set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch)
-            use_torch_symm_mem(config.enable_torch_symm_mem, self.dtype, self.device)
+            self._custom_all_reduce = use_torch_symm_mem(config.enable_torch_symm_mem,
+                                                         self.dtype, self.device)
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         tp = tensor_parallel()  # this rank's heads
@@ -454,7 +455,9 @@ class ModelRunner:
             runner.release()
         self.graph_runners.clear()
         self.kv_cache = None
-        set_custom_all_reduce(None)  # its buffer, once no graph holds its kernels
+        mine = self._custom_all_reduce
+        if mine is not None and tensor_parallel().custom_all_reduce is mine:
+            set_custom_all_reduce(None)  # its buffer, once no graph holds its kernels
 
 
 def _plan_prompt_scoring(seqs: list[ScheduledSequence],

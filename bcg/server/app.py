@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from bcg import __version__
 from bcg.engine.llm_engine import BadPromptError, LLMEngine
 from bcg.engine.outputs import RequestOutput
+from bcg.engine.sampling_params import SamplingParamsError
 from bcg.loader.builtin import BUILTIN_NAME
 from bcg.server.engine_loop import EngineLoop, EngineSnapshot, Prompt
 from bcg.server.logprobs import (
@@ -37,7 +38,6 @@ from bcg.server.logprobs import (
 )
 from bcg.server.metrics import render_metrics
 from bcg.server.protocol import (
-    COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -174,7 +174,7 @@ class _Server:
         prompts = body.prompts()
         if not prompts:
             raise ApiError("the prompt is empty", param="prompt")
-        run = await self._start(body, prompts, lambda _: COMPLETION_DEFAULT_MAX_TOKENS)
+        run = await self._start(body, prompts)
         formatter = _CompletionFormat(run)
         if body.stream:
             return run.stream(formatter.chunks())
@@ -182,18 +182,15 @@ class _Server:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         messages = [m.as_template_input() for m in body.messages]
-        run = await self._start(
-            body, [messages],
-            lambda prompt_len: body.default_max_tokens(prompt_len, self.max_model_len))
+        run = await self._start(body, [messages])
         formatter = _ChatFormat(run)
         if body.stream:
             return run.stream(formatter.chunks())
         return JSONResponse(formatter.response(await run.collect(request)))
 
-    async def _start(self, body: SamplingFields, prompts: list[Prompt],
-                     default_max_tokens: Callable[[int], int]) -> _Run:
+    async def _start(self, body: SamplingFields, prompts: list[Prompt]) -> _Run:
         """Check the request, then add its engine requests: choice i of prompt p is engine
-        request p * n + i; `default_max_tokens(prompt length)` unless the body sets it."""
+        request p * n + i."""
         self._check_model(body.model)
         unsupported = body.unsupported()
         if unsupported is not None:
@@ -206,6 +203,10 @@ class _Server:
                 f"this request asks for {len(prompts) * n} sequences ({len(prompts)} prompts x "
                 f"n={n}) but the server allows {limit} per request "
                 "(--max-sequences-per-request): split it", param="n" if n > 1 else "prompt")
+        try:
+            params = body.sampling_params()
+        except SamplingParamsError as error:
+            raise ApiError(str(error), param=body.param_of(error.field)) from error
         echo = isinstance(body, CompletionRequest) and body.echo
         echoes: dict[int, EchoText] = {}  # prompt index -> its echo strings
 
@@ -214,10 +215,7 @@ class _Server:
             if echo and index % n == 0:
                 echoes[index // n] = echo_text(self.tokenizer, token_ids,
                                                not isinstance(prompts[index // n], str))
-            max_tokens = body.max_tokens
-            if max_tokens is None:
-                max_tokens = default_max_tokens(len(token_ids))
-            return body.sampling_params(max_tokens).for_choice(index % n)
+            return params.for_choice(index % n)
 
         engine_prompts = [p for p in prompts for _ in range(n)]
         outputs: asyncio.Queue = asyncio.Queue()
@@ -225,7 +223,8 @@ class _Server:
             ids = await self.engine_loop.add(engine_prompts, make_params, outputs)
         except BadPromptError as error:  # named by the body's prompt, not the engine's request
             where = f"prompt {error.index // n}: " if len(prompts) > 1 else ""
-            raise ApiError(where + error.reason, param=body.prompt_field) from error
+            param = body.prompt_field if error.field is None else body.param_of(error.field)
+            raise ApiError(where + error.reason, param=param) from error
         except ValueError as error:
             raise ApiError(str(error)) from error
         return _Run(self.engine_loop, body, self.model_name, engine_prompts, ids, outputs,

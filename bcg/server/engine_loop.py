@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bcg.distributed.launcher import TensorParallelError
-from bcg.engine.llm_engine import LLMEngine
+from bcg.engine.llm_engine import BadPromptError, LLMEngine
 from bcg.engine.outputs import CompletionOutput, RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 
@@ -123,9 +123,12 @@ class EngineLoop:
         """Each prompt's token ids; a prompt repeated for n > 1 choices is the same object,
         tokenized once."""
         done: dict[int, list[int]] = {}
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             if id(prompt) not in done:
-                done[id(prompt)] = self._tokenize(prompt)
+                try:
+                    done[id(prompt)] = self._tokenize(prompt)
+                except ValueError as error:  # named as add_requests names a bad prompt
+                    raise BadPromptError(index, str(error)) from error
         return [done[id(prompt)] for prompt in prompts]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:

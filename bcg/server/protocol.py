@@ -68,7 +68,7 @@ class SamplingFields(StrictModel):
     fields also accept null, meaning their default."""
 
     model: str | None = None  # as in vLLM: the served model when left out
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # None: up to max_model_len
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -134,8 +134,17 @@ class SamplingFields(StrictModel):
                     "supported: include_usage gives it in a last chunk")
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def requested_max_tokens(self) -> int | None:
+        """The cap on new tokens this request sets; None: up to max_model_len."""
+        return self.max_tokens
+
+    def param_of(self, field: str) -> str:
+        """The request field that sets `SamplingParams.field`."""
+        return field
+
+    def sampling_params(self) -> SamplingParams:
         """The engine params of this request (n choices: see `SamplingParams.for_choice`)."""
+        max_tokens = self.requested_max_tokens()
         return SamplingParams(
             n=self.num_choices,
             temperature=_default(self.temperature, 1.0),
@@ -158,12 +167,13 @@ class SamplingFields(StrictModel):
             prompt_logprobs=self.engine_prompt_logprobs(max_tokens),
         )
 
-    def engine_prompt_logprobs(self, max_tokens: int) -> int | None:
+    def engine_prompt_logprobs(self, max_tokens: int | None) -> int | None:
         return self.prompt_logprobs
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS  # as in vLLM: null is no cap
     echo: bool | None = False  # the response's text (and logprobs) start with the prompt's
     logprobs: int | None = None  # logprobs of each token and of this many alternatives
     best_of: int | None = None  # only 1: candidates ranked server-side are not implemented
@@ -180,7 +190,7 @@ class CompletionRequest(SamplingFields):
     def logprobs_per_token(self) -> int | None:
         return self.logprobs
 
-    def engine_prompt_logprobs(self, max_tokens: int) -> int | None:
+    def engine_prompt_logprobs(self, max_tokens: int | None) -> int | None:
         """vLLM's rule: echo with logprobs scores the prompt with as many alternatives; echo
         of a prompt with nothing to generate still needs the prompt run (score it, bare)."""
         if self.prompt_logprobs is not None:
@@ -272,11 +282,16 @@ class ChatCompletionRequest(SamplingFields):
                                "always a new assistant message")
         return super().unsupported()
 
-    def default_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
-        """What is left of the context, unless the request sets a cap."""
+    def requested_max_tokens(self) -> int | None:
+        """OpenAI's max_completion_tokens, else the older max_tokens (as vLLM reads them)."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
-        return max(1, max_model_len - prompt_len)
+        return self.max_tokens
+
+    def param_of(self, field: str) -> str:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if field == "logprobs" else field
 
 
 class TokenizeRequest(StrictModel):

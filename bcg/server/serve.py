@@ -89,6 +89,9 @@ def check_port(host: str, port: int) -> None:
 def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None,
           settings: ServerSettings | None = None) -> None:
     settings = settings or ServerSettings()
+    if served_model_name is not None and not served_model_name.strip():
+        raise ValueError(f"--served-model-name {served_model_name!r} is blank: give the name "
+                         "clients send as `model`, or leave the flag out (the model's own name)")
     check_port(host, port)
     try:
         import uvicorn
