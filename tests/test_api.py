@@ -54,6 +54,23 @@ def test_n_completions_share_one_output_in_order(llm):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+def test_max_tokens_none_generates_up_to_max_model_len(llm):
+    [out] = generate(llm, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 128 - len(PROMPT)
+    assert out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt 0: the prompt's 128 tokens fill max_model_len"):
+        generate(llm, SamplingParams(max_tokens=None), prompts=([1] * 128,))
+    with pytest.raises(ValueError, match="min_tokens=200 is more than the 108 tokens"):
+        generate(llm, SamplingParams(max_tokens=None, min_tokens=200))
+
+
+def test_a_closed_llm_says_so(tiny):
+    llm = LLM(model=str(tiny[0]), device="cpu", max_model_len=64)
+    llm.close()
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        generate(llm, GREEDY)
+
+
 def test_dict_prompts_as_vllm_takes_them_and_other_dicts_refused(llm):
     [plain] = generate(llm, GREEDY)
     [wrapped] = llm.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)

@@ -38,6 +38,7 @@ pytest.importorskip("uvicorn")
 BODY_LIMIT = 65536
 SEQUENCE_LIMIT = 8
 EOS = 2  # SmolLM2's <|im_end|>
+PROMPT_ID = 504  # an ordinary token of SmolLM2's
 SERVER_SCRIPT = f"""
 import logging, sys
 from bcg.config import EngineConfig
@@ -184,7 +185,32 @@ BAD_FIELDS = [
 def test_a_bad_sampling_field_is_named(server, field, value):
     error = server.error("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4,
                                              field: value})
-    assert field in error["message"]
+    assert field in error["message"] and error["param"] == field
+
+
+def test_chat_names_its_own_fields_for_sampling_errors(server):
+    error = server.error("/v1/chat/completions", {"messages": QUESTION, "logprobs": True,
+                                                  "top_logprobs": 21})
+    assert error["param"] == "top_logprobs"
+    error = server.error("/v1/chat/completions", {"messages": QUESTION,
+                                                  "max_completion_tokens": -1})
+    assert error["param"] == "max_completion_tokens"
+
+
+def test_an_empty_prompt_of_a_batch_is_named_by_its_index(server):
+    error = server.error("/v1/completions", {"prompt": ["Hi", ""], "max_tokens": 1})
+    assert error["message"] == "prompt 1: the prompt is empty" and error["param"] == "prompt"
+
+
+def test_completions_take_16_tokens_by_default_and_null_as_the_rest_of_the_context(server):
+    """As in vLLM: max_tokens left out is 16; null is no cap but max_model_len."""
+    prompt = [PROMPT_ID] * (MAX_MODEL_LEN - 5)
+    error = server.error("/v1/completions", {"prompt": prompt})
+    assert "max_tokens=16" in error["message"]
+    rest = server.complete(prompt=prompt, max_tokens=None, ignore_eos=True, temperature=0)
+    assert rest["usage"]["completion_tokens"] == 5
+    assert rest["choices"][0]["finish_reason"] == "length"
+    assert server.complete(prompt="Hi", ignore_eos=True)["usage"]["completion_tokens"] == 16
 
 
 REFUSED = [
