@@ -148,9 +148,8 @@ def _generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)  # bad flags fail before the model loads
     params = _sampling_params(args)
     if config.tokenizer is None and config.model_source().tokenizer_path is None:
-        raise ValueError(f"{config.model} has no tokenizer (a preset with dummy weights) and "
-                         "bcg generate takes text: name one with --tokenizer (a Hugging Face "
-                         "folder or id)")
+        raise ValueError(f"{config.model} has no tokenizer and bcg generate takes text: name "
+                         "one with --tokenizer (a Hugging Face folder or id)")
     from bcg.engine.llm import LLM
 
     llm = LLM(**dataclasses.asdict(config))

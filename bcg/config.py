@@ -47,6 +47,10 @@ class EngineConfig:
         None, "tokenizer folder, .gguf file or Hub id (org/name), if not the model's own "
         "(presets have none)"
     )
+    trust_remote_code: bool = _arg(
+        False, "let transformers run code shipped with the model's tokenizer (vLLM's flag); "
+        "bcg's own model code runs the weights, never the checkpoint's",
+    )
     load_format: str = _arg(
         "auto", "'auto' loads the model's weights, 'dummy' uses random ones",
         choices=("auto", "dummy"),

@@ -237,9 +237,9 @@ def test_add_requests_is_all_or_none(llm):
     assert not engine.has_unfinished_requests()
 
 
-def test_chat_without_a_chat_template_says_to_send_plain_prompts(llm):
-    assert llm.engine.tokenizer is None or llm.engine.tokenizer.chat_template is None
-    with pytest.raises(ValueError, match="no chat template: send plain prompts"):
+def test_chat_without_a_tokenizer_says_to_name_one(llm):
+    assert llm.engine.tokenizer is None
+    with pytest.raises(ValueError, match="no tokenizer, which a chat needs: name one"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
 
 

@@ -3,6 +3,7 @@
 import jinja2
 import pytest
 
+from bcg.engine.chat import ChatOptions
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
@@ -21,6 +22,60 @@ def test_chat_answers_the_question(llm):
     [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY,
                      use_tqdm=False)
     assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+
+
+QUESTION = "What is the capital of France?"
+
+
+def test_chat_takes_openai_text_parts_and_refuses_other_content(llm):
+    parts = [{"type": "text", "text": "What is the capital"},
+             {"type": "text", "text": "of France?"}]
+    # joined by newlines, as vLLM joins them
+    joined = {"role": "user", "content": QUESTION.replace(" of", "\nof")}
+    assert llm.apply_chat_template([{"role": "user", "content": parts}]) == \
+        llm.apply_chat_template([joined])
+    [answer] = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+    assert "Paris" in answer.outputs[0].text
+    refused = [(5, "message 0: content must be a string or a list of text parts"),
+               ([{"type": "image_url", "image_url": {}}], "parts of type image_url are not"),
+               ([{"type": "text", "text": 3}], "'text' must be a string"),
+               (None, "a user message needs content")]
+    for content, message in refused:
+        with pytest.raises(ValueError, match=message):
+            llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="message 1: a message is a dict with a 'role'"):
+        llm.chat([{"role": "user", "content": "hi"}, {"content": "no role"}], GREEDY)
+
+
+def test_chat_options_as_vllm_names_them(llm):
+    """continue_final_message goes on from an open assistant message, chat_template replaces
+    the tokenizer's, chat_template_kwargs reach the template; contradictions are refused."""
+    turns = [{"role": "user", "content": QUESTION},
+             {"role": "assistant", "content": "The capital of France is"}]
+    [continued] = llm.chat(turns, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                           add_generation_prompt=False, continue_final_message=True)
+    assert continued.outputs[0].text.strip().startswith("Paris")
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ suffix }}"
+    ids = llm.apply_chat_template(turns[:1], ChatOptions(chat_template=template,
+                                                         chat_template_kwargs={"suffix": "A:"}))
+    assert llm.tokenizer.decode(ids) == f"user: {QUESTION}\nA:"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(turns, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs must map"):
+        llm.chat(turns[:1], GREEDY, chat_template_kwargs=["x"])
+
+
+def test_a_tokenizer_without_a_chat_template_takes_one_passed(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    chat = [{"role": "user", "content": QUESTION}]
+    with pytest.raises(ValueError, match="no chat template: pass one .* or send plain text"):
+        llm.chat(chat, GREEDY, use_tqdm=False)
+    [out] = llm.chat(chat, GREEDY, use_tqdm=False, chat_template="{{ messages[0].content }}")
+    assert out.prompt_token_ids == llm.tokenizer.encode(QUESTION, add_special_tokens=False)
+
+
+def test_get_tokenizer_is_vllms(llm):
+    assert llm.get_tokenizer() is llm.tokenizer is not None
 
 
 def test_stop_string_ends_the_text_before_it(llm):

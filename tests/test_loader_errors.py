@@ -192,6 +192,20 @@ def test_tokenizer_paths_are_checked(tmp_path):
         load_tokenizer(source, str(tmp_path))
 
 
+@pytest.mark.parametrize("trust", [False, True])
+def test_trust_remote_code_reaches_transformers(tmp_path, monkeypatch, trust):
+    import bcg.loader.tokenizer as tokenizer_module
+
+    calls = []
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained",
+                        lambda name, **kwargs: calls.append((name, kwargs)) or "tokenizer")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    source = resolve_model("smollm2-135m")
+    for name in (str(tmp_path), "org/name"):  # a folder, a Hub id
+        assert load_tokenizer(source, name, trust_remote_code=trust) == "tokenizer"
+    assert calls == [(name, {"trust_remote_code": trust}) for name in (str(tmp_path), "org/name")]
+
+
 def test_a_gguf_tokenizer_without_the_suffix_is_recognised(tmp_path, monkeypatch):
     """The tokenizer override is classified as the model is: a GGUF by its magic bytes too."""
     import bcg.loader.tokenizer as tokenizer_module

@@ -226,8 +226,6 @@ REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
-    ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
-    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
@@ -263,6 +261,27 @@ def test_no_op_values_of_unimplemented_fields_are_accepted(server):
         "add_generation_prompt": True, "continue_final_message": False, "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
     assert response.status_code == 200, response.text
+
+
+def test_chat_continues_the_last_message_and_takes_template_variables(server):
+    """vLLM's chat fields: continue_final_message (with add_generation_prompt false) goes on
+    from an assistant message left open; chat_template_kwargs reach the template (SmolLM2's
+    ignores enable_thinking); the two contradicting options are refused."""
+    turns = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    body = {"messages": turns, "max_tokens": 4, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    continued = server.post("/v1/chat/completions", body).json()
+    assert continued["choices"][0]["message"]["content"].strip().startswith("Paris")
+    tokens = server.post("/tokenize", {"messages": turns, "add_generation_prompt": False,
+                                       "continue_final_message": True}).json()["tokens"]
+    assert continued["usage"]["prompt_tokens"] == len(tokens)
+    thinking = server.post("/v1/chat/completions", {
+        "messages": QUESTION, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}})
+    assert thinking.status_code == 200, thinking.text
+    error = server.error("/v1/chat/completions", {"messages": turns, "max_tokens": 1,
+                                                  "continue_final_message": True})
+    assert "cannot both be true" in error["message"]
+    assert error["param"] == "continue_final_message"
 
 
 def test_the_model_may_be_left_out_and_an_unknown_one_is_not_found(server, client):

@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from bcg.config import EngineConfig
+from bcg.engine.chat import DEFAULT_CHAT, ChatOptions
 from bcg.engine.llm_engine import LLMEngine, check_one_per_prompt
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-Message = dict[str, str]
+Message = Mapping[str, Any]  # {'role': ..., 'content': a string or text parts}
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer), None for a preset without one."""
         return self.engine.tokenizer
 
     def generate(
@@ -67,16 +73,28 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation or to each of several, each
-        a list of {"role", "content"} messages rendered with the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.apply_chat_template(c) for c in conversations],
+        """Generate the assistant's reply to one conversation or to each of several, each a
+        list of {"role", "content"} messages (content a string or OpenAI's text parts)
+        rendered with the chat template: the tokenizer's, or `chat_template`. As in vLLM,
+        `continue_final_message` (with `add_generation_prompt=False`) continues the last
+        message instead of starting a new one; `chat_template_kwargs` are more variables for
+        the template (e.g. Qwen3's `enable_thinking`)."""
+        options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
+                              chat_template_kwargs=chat_template_kwargs)
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        return self.generate([self.apply_chat_template(c, options) for c in conversations],
                              sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        """The token ids of one conversation rendered with the tokenizer's chat template."""
-        return self.engine.chat_token_ids(messages)
+    def apply_chat_template(self, messages: list[Message],
+                            options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """The token ids of one conversation rendered with the chat template."""
+        return self.engine.chat_token_ids(messages, options)
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -12,8 +12,9 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Sized
+from collections.abc import Mapping, Sized
 from dataclasses import dataclass, replace
+from typing import Any
 
 import jinja2
 import torch
@@ -23,6 +24,7 @@ from bcg.distributed import rank_loop
 from bcg.distributed.launcher import Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import launched_rank
 from bcg.engine.block_manager import BlockManager
+from bcg.engine.chat import DEFAULT_CHAT, ChatOptions, template_messages
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from bcg.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -119,6 +121,9 @@ def prefix_caching_enabled(config: EngineConfig, num_state_slots: int) -> bool:
     return config.enable_prefix_caching and num_state_slots == 0
 
 
+NAME_A_TOKENIZER = "name one (tokenizer=... in Python, --tokenizer on the command line)"
+
+
 class BadPromptError(ValueError):
     """A prompt (or its sampling params) of `add_requests` is refused: `index` names it, and
     `field` the sampling param at fault, if one is."""
@@ -145,7 +150,7 @@ class LLMEngine:
         self.model_config = source.config
         self.max_model_len = resolve_max_model_len(config, source.config)
         check_tensor_parallel_size(config, source.config)
-        self.tokenizer = load_tokenizer(source, config.tokenizer)
+        self.tokenizer = load_tokenizer(source, config.tokenizer, config.trust_remote_code)
         # Looked up (or refused) once at start-up, not per request.
         self._decoder = fast_backend(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(source.config.eos_token_ids)
@@ -237,17 +242,23 @@ class LLMEngine:
             raise
         return ids
 
-    def chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation (`{"role", "content"}` messages) rendered with the tokenizer's chat
-        template and tokenized, ready for the assistant's reply."""
-        require(self.tokenizer is not None and self.tokenizer.chat_template is not None,
-                "this model's tokenizer has no chat template: send plain prompts instead")
+    def chat_token_ids(self, messages: list[Mapping[str, Any]],
+                       options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """A conversation (`{"role", "content"}` messages, content a string or text parts)
+        rendered with the chat template (the tokenizer's, unless `options` gives one) and
+        tokenized; by default ready for the assistant's reply."""
+        require(self.tokenizer is not None,
+                f"this model has no tokenizer, which a chat needs: {NAME_A_TOKENIZER}")
+        require(options.chat_template is not None or self.tokenizer.chat_template is not None,
+                "this model's tokenizer has no chat template: pass one (chat_template) or "
+                "send plain text prompts")
+        conversation = template_messages(messages)
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except jinja2.TemplateError as error:
-            raise ValueError(f"the model's chat template rejected the messages: {error}") from error
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            text = self.tokenizer.apply_chat_template(conversation,
+                                                      **options.template_arguments())
+        except (jinja2.TemplateError, ValueError) as error:
+            raise ValueError(f"the chat template rejected the messages: {error}") from error
+        return self.tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""
@@ -340,9 +351,8 @@ class LLMEngine:
         """A prompt's token ids: text is encoded, token ids are checked and copied."""
         if isinstance(prompt, str):
             require(prompt != "", "the prompt is empty")
-            require(self.tokenizer is not None,
-                    "this model has no tokenizer (a preset with dummy weights): pass token ids, "
-                    "or name a tokenizer (tokenizer=... / --tokenizer)")
+            require(self.tokenizer is not None, f"this model has no tokenizer, which text "
+                    f"needs: send token ids, or {NAME_A_TOKENIZER}")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         require(isinstance(prompt, list | tuple) and all(is_int(t) for t in prompt),
                 "a prompt must be a string or a list of token ids (int)")

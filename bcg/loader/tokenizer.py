@@ -21,27 +21,30 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(
-    source: ModelSource, override: str | None = None
+    source: ModelSource, override: str | None = None, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase | None:
     """`override` (a folder, a .gguf file or a Hub id) wins; else the model's own; None if
     it has none. A missing path or a tokenizer that does not load raises ValueError naming
-    it; only a name shaped like a Hub id (`org/name`) that is no local path goes to the Hub."""
+    it; only a name shaped like a Hub id (`org/name`) that is no local path goes to the Hub.
+    `trust_remote_code` lets transformers run a tokenizer's own code from its folder."""
     if override is not None:
-        return _load_override(override)
+        return _load_override(override, trust_remote_code)
     path = source.tokenizer_path
     if path is None:
         return None
     if source.gguf_tokenizer:
         return _gguf_tokenizer(path)
-    return _from_pretrained(str(path), f"the tokenizer of {path}")
+    return _from_pretrained(str(path), f"the tokenizer of {path}",
+                            trust_remote_code=trust_remote_code)
 
 
-def _load_override(name: str) -> PreTrainedTokenizerBase:
+def _load_override(name: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     kind, path = classify_name(name, "tokenizer")
     if kind == "folder":
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise ValueError(f"tokenizer folder {name!r} has none of {', '.join(TOKENIZER_FILES)}")
-        return _from_pretrained(str(path), f"tokenizer {name!r}")
+        return _from_pretrained(str(path), f"tokenizer {name!r}",
+                                trust_remote_code=trust_remote_code)
     if kind == "gguf":
         return _gguf_tokenizer(path)
     if kind == "file":
@@ -49,7 +52,7 @@ def _load_override(name: str) -> PreTrainedTokenizerBase:
                          ".gguf file)")
     if kind == "hub":
         return _from_pretrained(name, f"tokenizer {name!r} (not a local path, so from the "
-                                      "Hugging Face Hub)")
+                                      "Hugging Face Hub)", trust_remote_code=trust_remote_code)
     raise ValueError(f"tokenizer {name!r} is neither a local folder nor a Hub id (org/name)")
 
 

@@ -27,7 +27,7 @@ from bcg.engine.llm_engine import BadPromptError, LLMEngine
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParamsError
 from bcg.loader.builtin import BUILTIN_NAME
-from bcg.server.engine_loop import EngineLoop, EngineSnapshot, Prompt
+from bcg.server.engine_loop import ChatPrompt, EngineLoop, EngineSnapshot, Prompt
 from bcg.server.logprobs import (
     EchoText,
     TokenText,
@@ -39,6 +39,7 @@ from bcg.server.logprobs import (
 from bcg.server.metrics import render_metrics
 from bcg.server.protocol import (
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
@@ -141,16 +142,14 @@ class _Server:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError("send either `prompt` (text) or `messages` (a conversation)",
                            param="prompt")
-        self._require_tokenizer()
+        self._require_tokenizer("tokenizing")
         tokenizer = self.tokenizer
         if body.prompt is not None:
             special = body.add_special_tokens is not False
             encode = lambda: tokenizer.encode(body.prompt, add_special_tokens=special)
         else:
-            messages = [m.as_template_input() for m in body.messages]
-            special = bool(body.add_special_tokens)
-            generation_prompt = body.add_generation_prompt is not False
-            encode = lambda: self._chat_token_ids(messages, generation_prompt, special)
+            chat = self._chat_prompt(body, bool(body.add_special_tokens))
+            encode = lambda: self.engine.chat_token_ids(chat.messages, chat.options)
 
         def run() -> dict:
             tokens = encode()
@@ -162,7 +161,7 @@ class _Server:
 
     async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
         self._check_model(body.model)
-        self._require_tokenizer()
+        self._require_tokenizer("detokenizing")
         bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ApiError(f"token ids {bad[:5]} are outside the vocabulary "
@@ -181,8 +180,7 @@ class _Server:
         return JSONResponse(formatter.response(await run.collect(request)))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        messages = [m.as_template_input() for m in body.messages]
-        run = await self._start(body, [messages])
+        run = await self._start(body, [self._chat_prompt(body, bool(body.add_special_tokens))])
         formatter = _ChatFormat(run)
         if body.stream:
             return run.stream(formatter.chunks())
@@ -236,10 +234,11 @@ class _Server:
                            f"{self.model_name!r} (see GET /v1/models)", status=404,
                            param="model")
 
-    def _require_tokenizer(self) -> None:
+    def _require_tokenizer(self, what: str) -> None:
+        """Refuse a request that needs the tokenizer (`what` it does) when there is none."""
         if self.tokenizer is None:
-            raise ApiError("this model has no tokenizer (a preset with dummy weights): send "
-                           "token ids, or start the server with --tokenizer")
+            raise ApiError(f"this model has no tokenizer, which {what} needs: start the server "
+                           "with --tokenizer")
 
     async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -247,17 +246,12 @@ class _Server:
         except ValueError as error:
             raise ApiError(str(error)) from error
 
-    def _chat_token_ids(self, messages: list[dict], add_generation_prompt: bool,
-                        add_special_tokens: bool) -> list[int]:
-        """On the engine thread: `LLMEngine.chat_token_ids` (its checks and the default,
-        ready for the reply, without special tokens), rendered again for the /tokenize
-        variants it does not take (add_generation_prompt false, add_special_tokens true)."""
-        token_ids = self.engine.chat_token_ids(messages)
-        if add_generation_prompt and not add_special_tokens:
-            return token_ids
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    @staticmethod
+    def _chat_prompt(body: ChatTemplateFields, add_special_tokens: bool) -> ChatPrompt:
+        try:
+            return body.chat_prompt(add_special_tokens)
+        except ValueError as error:  # options that contradict each other
+            raise ApiError(str(error), param="continue_final_message") from error
 
     def _tokenizer_info(self) -> dict:
         """vLLM's /tokenizer_info: the tokenizer's init arguments (special tokens as

@@ -19,13 +19,24 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bcg.distributed.launcher import TensorParallelError
+from bcg.engine.chat import ChatOptions
 from bcg.engine.llm_engine import BadPromptError, LLMEngine
 from bcg.engine.outputs import CompletionOutput, RequestOutput
 from bcg.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation and how to render it."""
+
+    messages: list[dict[str, Any]]
+    options: ChatOptions
+
+
+Prompt = str | list[int] | ChatPrompt  # text, token ids, or a conversation
 
 
 @dataclass
@@ -132,8 +143,8 @@ class EngineLoop:
         return [done[id(prompt)] for prompt in prompts]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if prompt and isinstance(prompt[0], dict):
-            return self.engine.chat_token_ids(prompt)
+        if isinstance(prompt, ChatPrompt):
+            return self.engine.chat_token_ids(prompt.messages, prompt.options)
         return self.engine.tokenize(prompt)
 
     def _abort(

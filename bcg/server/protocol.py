@@ -19,7 +19,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from bcg.engine.chat import ChatOptions
 from bcg.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from bcg.server.engine_loop import ChatPrompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -226,20 +228,32 @@ class ChatMessage(StrictModel):
             raise ValueError(f"a {self.role} message needs content (a string or text parts)")
         return self
 
-    def as_template_input(self) -> dict[str, str]:
-        content = self.content or ""
-        if not isinstance(content, str):
-            content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as `bcg.engine.chat` takes it (text parts joined there)."""
+        return self.model_dump(exclude_none=True)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(StrictModel):
+    """vLLM's fields that choose how messages are rendered (chat completions, /tokenize)."""
+
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True  # end ready for the assistant's reply
+    continue_final_message: bool | None = False  # the reply continues the last message
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+    def chat_prompt(self, add_special_tokens: bool) -> ChatPrompt:
+        options = ChatOptions(add_generation_prompt=_default(self.add_generation_prompt, True),
+                              continue_final_message=bool(self.continue_final_message),
+                              add_special_tokens=add_special_tokens,
+                              chat_template_kwargs=self.chat_template_kwargs)
+        return ChatPrompt([m.as_template_input() for m in self.messages or []], options)
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     prompt_field: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool | None = False  # vLLM's: BOS on top of the template's
     max_completion_tokens: int | None = None
     logprobs: bool | None = False  # logprobs of each generated token
     # ... and this many likeliest; checked here: SamplingParams would name `logprobs`
@@ -251,10 +265,8 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools
-    # vLLM's chat fields, accepted with the values this server always behaves by.
-    echo: bool | None = None  # the reply never starts with the last message
-    add_generation_prompt: bool | None = None  # the prompt always ends ready for the reply
-    continue_final_message: bool | None = None  # the reply is always a new message
+    echo: bool | None = None  # vLLM's, accepted only false: the reply never starts with the
+    # last message
 
     def logprobs_per_token(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -275,11 +287,6 @@ class ChatCompletionRequest(SamplingFields):
             return ("top_logprobs", "top_logprobs needs logprobs: true")
         if self.echo:
             return ("echo", "echo (the reply starting with the last message) is not supported")
-        for field, continues in (("continue_final_message", self.continue_final_message),
-                                 ("add_generation_prompt", self.add_generation_prompt is False)):
-            if continues:
-                return (field, "continuing the last message is not supported: the reply is "
-                               "always a new assistant message")
         return super().unsupported()
 
     def requested_max_tokens(self) -> int | None:
@@ -294,14 +301,12 @@ class ChatCompletionRequest(SamplingFields):
         return "top_logprobs" if field == "logprobs" else field
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool | None = True  # messages only: end ready for the reply
     return_token_strs: bool | None = False
 
 

@@ -1,0 +1,82 @@
+"""Conversations as vLLM's `LLM.chat` and the chat completions API take them: messages whose
+content is a string or OpenAI's text parts, rendered by a chat template with vLLM's options."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bcg.config import require
+
+TEXT_PART = "{'type': 'text', 'text': ...}"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (vLLM's names and defaults)."""
+
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's own
+    add_generation_prompt: bool = True  # end ready for the assistant's reply
+    continue_final_message: bool = False  # leave the last message open: the reply goes on
+    add_special_tokens: bool = False  # the tokenizer's own (BOS) on top of the template's
+    chat_template_kwargs: Mapping[str, Any] | None = None  # more template variables
+
+    def __post_init__(self) -> None:
+        require(self.chat_template is None or isinstance(self.chat_template, str),
+                f"chat_template must be a Jinja template (a string), got "
+                f"{type(self.chat_template).__name__}")
+        for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+            require(isinstance(getattr(self, name), bool),
+                    f"{name} must be true or false, got {getattr(self, name)!r}")
+        require(not (self.add_generation_prompt and self.continue_final_message),
+                "add_generation_prompt and continue_final_message cannot both be true: "
+                "continuing the last message leaves no room for a new reply's prompt")
+        kwargs = self.chat_template_kwargs
+        require(kwargs is None or (isinstance(kwargs, Mapping)
+                                   and all(isinstance(key, str) for key in kwargs)),
+                f"chat_template_kwargs must map variable names to values, got {kwargs!r}")
+
+    def template_arguments(self) -> dict[str, Any]:
+        """`apply_chat_template`'s keyword arguments: the template's variables, then these
+        options (which a variable of the same name cannot override), rendered to text."""
+        return {**(self.chat_template_kwargs or {}), "chat_template": self.chat_template,
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "tokenize": False}
+
+
+DEFAULT_CHAT = ChatOptions()
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each message as chat templates take it: content a string (text parts joined by
+    newlines, as vLLM joins them; an assistant's missing content empty)."""
+    require(isinstance(messages, Sequence) and not isinstance(messages, str) and messages,
+            "a conversation must be a non-empty list of {'role': ..., 'content': ...} "
+            "messages")
+    return [_template_message(index, message) for index, message in enumerate(messages)]
+
+
+def _template_message(index: int, message: Any) -> dict[str, Any]:
+    require(isinstance(message, Mapping) and isinstance(message.get("role"), str),
+            f"message {index}: a message is a dict with a 'role' string and 'content', got "
+            f"{message!r:.100}")
+    content = message.get("content")
+    require(content is not None or message["role"] == "assistant",
+            f"message {index}: a {message['role']} message needs content (a string or text "
+            "parts)")
+    return {**message, "content": _content_text(index, content)}
+
+
+def _content_text(index: int, content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    require(isinstance(content, list) and all(isinstance(p, Mapping) for p in content),
+            f"message {index}: content must be a string or a list of text parts "
+            f"({TEXT_PART}), got {type(content).__name__}")
+    kinds = sorted({str(part.get("type")) for part in content} - {"text"})
+    require(not kinds, f"message {index}: content parts of type {', '.join(kinds)} are not "
+            f"supported: only text parts ({TEXT_PART})")
+    require(all(isinstance(part.get("text"), str) for part in content),
+            f"message {index}: a text part's 'text' must be a string ({TEXT_PART})")
+    return "\n".join(part["text"] for part in content)
