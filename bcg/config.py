@@ -245,6 +245,21 @@ def require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+class FieldError(ValueError):
+    """A bad value of the field `field` (a sampling param, a chat option): the server's error
+    names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def require_field(field: str, ok: bool, message: str) -> None:
+    """`require`, naming the field at fault."""
+    if not ok:
+        raise FieldError(field, message)
+
+
 _FIELD_TYPES = typing.get_type_hints(EngineConfig)
 
 

@@ -63,6 +63,8 @@ def test_chat_options_as_vllm_names_them(llm):
         llm.chat(turns, GREEDY, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_kwargs must map"):
         llm.chat(turns[:1], GREEDY, chat_template_kwargs=["x"])
+    with pytest.raises(ValueError, match="may not set conversation, messages"):
+        llm.chat(turns[:1], GREEDY, chat_template_kwargs={"messages": [], "conversation": 1})
 
 
 def test_a_tokenizer_without_a_chat_template_takes_one_passed(llm, monkeypatch):

@@ -282,6 +282,24 @@ def test_chat_continues_the_last_message_and_takes_template_variables(server):
                                                   "continue_final_message": True})
     assert "cannot both be true" in error["message"]
     assert error["param"] == "continue_final_message"
+    for reserved in ({"messages": []}, {"chat_template": "x"}, {"tools": []},
+                     {"add_generation_prompt": False}):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            error = server.error(path, {"messages": QUESTION, "chat_template_kwargs": reserved})
+            assert "may not set" in error["message"] and error["param"] == "chat_template_kwargs"
+    error = server.error("/tokenize", {"prompt": "Hi", "continue_final_message": True})
+    assert "apply to `messages` only" in error["message"]
+    wrong_model = {"model": "gpt-9", "messages": turns, "continue_final_message": True}
+    assert server.post("/v1/chat/completions", wrong_model).status_code == 404
+
+
+def test_room_left_by_max_model_len_names_what_does_not_fit(server):
+    error = server.error("/v1/completions", {"prompt": "Hi", "max_tokens": None,
+                                             "min_tokens": MAX_MODEL_LEN})
+    assert error["param"] == "min_tokens" and "is more than the" in error["message"]
+    error = server.error("/v1/completions", {"prompt": [PROMPT_ID] * (MAX_MODEL_LEN + 1),
+                                             "max_tokens": None})
+    assert f"exceed max_model_len={MAX_MODEL_LEN}" in error["message"]
 
 
 def test_the_model_may_be_left_out_and_an_unknown_one_is_not_found(server, client):

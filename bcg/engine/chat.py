@@ -3,13 +3,21 @@ content is a string or OpenAI's text parts, rendered by a chat template with vLL
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bcg.config import require
+from transformers import PreTrainedTokenizerBase
+
+from bcg.config import require, require_field
 
 TEXT_PART = "{'type': 'text', 'text': ...}"
+# Names chat_template_kwargs may not set: the arguments of apply_chat_template (some of them
+# ChatOptions' own fields, which say so) and the variable the messages fill.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+) - {"self", "kwargs"} | {"messages"}
 
 
 @dataclass(frozen=True)
@@ -23,23 +31,33 @@ class ChatOptions:
     chat_template_kwargs: Mapping[str, Any] | None = None  # more template variables
 
     def __post_init__(self) -> None:
-        require(self.chat_template is None or isinstance(self.chat_template, str),
-                f"chat_template must be a Jinja template (a string), got "
-                f"{type(self.chat_template).__name__}")
+        require_field("chat_template",
+                      self.chat_template is None or isinstance(self.chat_template, str),
+                      f"chat_template must be a Jinja template (a string), got "
+                      f"{type(self.chat_template).__name__}")
         for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
-            require(isinstance(getattr(self, name), bool),
-                    f"{name} must be true or false, got {getattr(self, name)!r}")
-        require(not (self.add_generation_prompt and self.continue_final_message),
-                "add_generation_prompt and continue_final_message cannot both be true: "
-                "continuing the last message leaves no room for a new reply's prompt")
+            require_field(name, isinstance(getattr(self, name), bool),
+                          f"{name} must be true or false, got {getattr(self, name)!r}")
+        require_field("continue_final_message",
+                      not (self.add_generation_prompt and self.continue_final_message),
+                      "add_generation_prompt and continue_final_message cannot both be true: "
+                      "continuing the last message leaves no room for a new reply's prompt")
+        self._check_template_kwargs()
+
+    def _check_template_kwargs(self) -> None:
         kwargs = self.chat_template_kwargs
-        require(kwargs is None or (isinstance(kwargs, Mapping)
-                                   and all(isinstance(key, str) for key in kwargs)),
-                f"chat_template_kwargs must map variable names to values, got {kwargs!r}")
+        require_field("chat_template_kwargs", kwargs is None or (
+            isinstance(kwargs, Mapping) and all(isinstance(key, str) for key in kwargs)),
+            f"chat_template_kwargs must map variable names to values, got {kwargs!r}")
+        reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(kwargs or {}))
+        require_field("chat_template_kwargs", not reserved,
+                      f"chat_template_kwargs may not set {', '.join(reserved)}: they are not "
+                      "template variables (pass chat_template, add_generation_prompt and "
+                      "continue_final_message as their own arguments)")
 
     def template_arguments(self) -> dict[str, Any]:
-        """`apply_chat_template`'s keyword arguments: the template's variables, then these
-        options (which a variable of the same name cannot override), rendered to text."""
+        """`apply_chat_template`'s keyword arguments: the template's variables and these
+        options, rendered to text."""
         return {**(self.chat_template_kwargs or {}), "chat_template": self.chat_template,
                 "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message, "tokenize": False}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -14,6 +14,9 @@ from bcg.engine.chat import DEFAULT_CHAT, ChatOptions
 from bcg.engine.llm_engine import LLMEngine, check_one_per_prompt
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int]
 Message = Mapping[str, Any]  # {'role': ..., 'content': a string or text parts}
@@ -36,9 +39,9 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def get_tokenizer(self):
-        """The model's tokenizer (a transformers tokenizer), None for a preset without one."""
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer (vLLM's method), None for a preset without one."""
+        return self.tokenizer
 
     def generate(
         self,
@@ -85,7 +88,9 @@ class LLM:
         `continue_final_message` (with `add_generation_prompt=False`) continues the last
         message instead of starting a new one; `chat_template_kwargs` are more variables for
         the template (e.g. Qwen3's `enable_thinking`)."""
-        options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
+        options = ChatOptions(chat_template=chat_template,
+                              add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message,
                               chat_template_kwargs=chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         return self.generate([self.apply_chat_template(c, options) for c in conversations],

@@ -256,7 +256,7 @@ class LLMEngine:
         try:
             text = self.tokenizer.apply_chat_template(conversation,
                                                       **options.template_arguments())
-        except (jinja2.TemplateError, ValueError) as error:
+        except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
         return self.tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
 
@@ -457,11 +457,14 @@ class LLMEngine:
     def _up_to_max_model_len(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """`params` with max_tokens=None made the room max_model_len leaves after the prompt."""
         room = self.max_model_len - prompt_len
-        require(room > 0, f"the prompt's {prompt_len} tokens fill max_model_len="
+        how = "fill" if room == 0 else "exceed"
+        require(room > 0, f"the prompt's {prompt_len} tokens {how} max_model_len="
                 f"{self.max_model_len}, which leaves no room to generate: shorten the prompt")
-        require(params.min_tokens <= room, f"min_tokens={params.min_tokens} is more than the "
-                f"{room} tokens max_model_len={self.max_model_len} leaves after the prompt's "
-                f"{prompt_len}: lower min_tokens or shorten the prompt")
+        if params.min_tokens > room:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens={params.min_tokens} is more than the {room} tokens "
+                f"max_model_len={self.max_model_len} leaves after the prompt's {prompt_len}: "
+                "lower min_tokens or shorten the prompt")
         return replace(params, max_tokens=room)
 
     def _count(self, scheduled: SchedulerOutput, seconds: float) -> None:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from bcg.config import FieldError
 from bcg.layers.sampler import MAX_LOGPROBS
 from bcg.utils import is_int, is_number
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(FieldError):
     """A bad value of a `SamplingParams` field; `field` names it."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.field = name
 
 
 @dataclass

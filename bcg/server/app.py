@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from bcg import __version__
+from bcg.config import FieldError
 from bcg.engine.llm_engine import BadPromptError, LLMEngine
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParamsError
@@ -145,6 +146,10 @@ class _Server:
         self._require_tokenizer("tokenizing")
         tokenizer = self.tokenizer
         if body.prompt is not None:
+            chat_fields = sorted(body.model_fields_set & set(ChatTemplateFields.model_fields))
+            if chat_fields:
+                raise ApiError(f"{', '.join(chat_fields)} apply to `messages` only, not to a "
+                               "`prompt`", param=chat_fields[0])
             special = body.add_special_tokens is not False
             encode = lambda: tokenizer.encode(body.prompt, add_special_tokens=special)
         else:
@@ -180,6 +185,7 @@ class _Server:
         return JSONResponse(formatter.response(await run.collect(request)))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)  # a 404 before any complaint about the body
         run = await self._start(body, [self._chat_prompt(body, bool(body.add_special_tokens))])
         formatter = _ChatFormat(run)
         if body.stream:
@@ -250,8 +256,8 @@ class _Server:
     def _chat_prompt(body: ChatTemplateFields, add_special_tokens: bool) -> ChatPrompt:
         try:
             return body.chat_prompt(add_special_tokens)
-        except ValueError as error:  # options that contradict each other
-            raise ApiError(str(error), param="continue_final_message") from error
+        except FieldError as error:  # contradicting options, or reserved template variables
+            raise ApiError(str(error), param=error.field) from error
 
     def _tokenizer_info(self) -> dict:
         """vLLM's /tokenizer_info: the tokenizer's init arguments (special tokens as

@@ -27,7 +27,6 @@ from bcg.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class ChatPrompt:
     """A conversation and how to render it."""
@@ -94,9 +93,9 @@ class EngineLoop:
         outputs: asyncio.Queue,
     ) -> list[str]:
         """Queue one engine request per prompt, its params `make_params(i, prompt i's token
-        ids)` (called on the engine thread, so they may depend on the prompt's length);
-        prompt i's outputs arrive on `outputs` as (i, RequestOutput). All or none are added:
-        ValueError on bad input."""
+        ids)` (called on the engine thread, which tokenized the prompt: the caller may keep
+        what it needs of the tokens); prompt i's outputs arrive on `outputs` as
+        (i, RequestOutput). All or none are added: ValueError on bad input."""
         return await self.call(lambda: self._add_all(prompts, make_params, outputs))
 
     def abort(self, request_ids: list[str]) -> None:
