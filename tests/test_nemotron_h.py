@@ -4,6 +4,7 @@ block and state slot; and the mixer through our Triton kernels. (Prefill, decode
 mixed with decodes, stepped by hand on every device: test_models_hf.)"""
 
 import importlib
+import inspect
 import math
 
 import pytest
@@ -272,13 +273,16 @@ def our_logits(folder, tokens: list[int], prefill: int) -> torch.Tensor:
 
 def hf_decode_logits(hf_model, tokens: list[int], prefill: int) -> torch.Tensor:
     """transformers' logits likewise: its chunked path, then its recurrent decode path."""
+    # transformers 5.2x renamed `past_key_values` to `cache` (the old name goes in 5.40)
+    name = ("cache" if "cache" in inspect.signature(hf_model.forward).parameters
+            else "past_key_values")
     with torch.no_grad():
         out = hf_model(torch.tensor([tokens[:prefill]]), use_cache=True)
-        rows, cache = [out.logits[0]], out.past_key_values
+        rows, cache = [out.logits[0]], getattr(out, name)
         for token in tokens[prefill:]:
-            out = hf_model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            out = hf_model(torch.tensor([[token]]), use_cache=True, **{name: cache})
             rows.append(out.logits[0])
-            cache = out.past_key_values
+            cache = getattr(out, name)
     return torch.cat(rows).float()
 
 
