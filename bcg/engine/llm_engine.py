@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 import torch
 
-from bcg.config import EngineConfig, require
+from bcg.config import EngineConfig, FieldError, require, require_field
 from bcg.distributed import rank_loop
 from bcg.distributed.launcher import Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import launched_rank
@@ -27,7 +27,7 @@ from bcg.engine.block_manager import BlockManager
 from bcg.engine.chat import DEFAULT_CHAT, ChatOptions, template_messages
 from bcg.engine.detokenizer import IncrementalDetokenizer, fast_backend
 from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from bcg.engine.sampling_params import SamplingParams, SamplingParamsError
+from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
 from bcg.loader.model_source import ModelSource
@@ -237,7 +237,7 @@ class LLMEngine:
             for request_id in ids:
                 self.abort_request(request_id)
             if isinstance(error, ValueError):
-                field = error.field if isinstance(error, SamplingParamsError) else None
+                field = error.field if isinstance(error, FieldError) else None
                 raise BadPromptError(len(ids), str(error), field) from error
             raise
         return ids
@@ -446,9 +446,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         require(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         bad_bias = [t for t in params.logit_bias or {} if t >= vocab_size]
-        if bad_bias:
-            raise SamplingParamsError("logit_bias", f"logit_bias names token ids {bad_bias[:5]} "
-                                      f"outside the vocabulary [0, {vocab_size})")
+        require_field("logit_bias", not bad_bias, f"logit_bias names token ids {bad_bias[:5]} "
+                      f"outside the vocabulary [0, {vocab_size})")
         require(len(token_ids) + params.max_tokens <= self.max_model_len,
                 f"the prompt's {len(token_ids)} tokens plus max_tokens={params.max_tokens} "
                 f"exceed max_model_len={self.max_model_len}: lower max_tokens or shorten the "
@@ -460,11 +459,10 @@ class LLMEngine:
         how = "fill" if room == 0 else "exceed"
         require(room > 0, f"the prompt's {prompt_len} tokens {how} max_model_len="
                 f"{self.max_model_len}, which leaves no room to generate: shorten the prompt")
-        if params.min_tokens > room:
-            raise SamplingParamsError(
-                "min_tokens", f"min_tokens={params.min_tokens} is more than the {room} tokens "
-                f"max_model_len={self.max_model_len} leaves after the prompt's {prompt_len}: "
-                "lower min_tokens or shorten the prompt")
+        require_field("min_tokens", params.min_tokens <= room,
+                      f"min_tokens={params.min_tokens} is more than the {room} tokens "
+                      f"max_model_len={self.max_model_len} leaves after the prompt's "
+                      f"{prompt_len}: lower min_tokens or shorten the prompt")
         return replace(params, max_tokens=room)
 
     def _count(self, scheduled: SchedulerOutput, seconds: float) -> None:

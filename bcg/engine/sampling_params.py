@@ -5,13 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from bcg.config import FieldError
+from bcg.config import require_field
 from bcg.layers.sampler import MAX_LOGPROBS
 from bcg.utils import is_int, is_number
-
-
-class SamplingParamsError(FieldError):
-    """A bad value of a `SamplingParams` field; `field` names it."""
 
 
 @dataclass
@@ -41,14 +37,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _require("stop", isinstance(self.stop, list | tuple) and
-                 all(isinstance(s, str) and s for s in self.stop),
-                 f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        require_field("stop", isinstance(self.stop, list | tuple) and
+                      all(isinstance(s, str) and s for s in self.stop),
+                      f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
-        _require("stop_token_ids", isinstance(self.stop_token_ids, list | tuple) and
-                 all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids must be a list of token ids (integers >= 0), got "
-                 f"{self.stop_token_ids!r}")
+        require_field("stop_token_ids", isinstance(self.stop_token_ids, list | tuple) and
+                      all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+                      f"stop_token_ids must be a list of token ids (integers >= 0), got "
+                      f"{self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_numbers()
         self._check_logit_bias()
@@ -87,13 +83,13 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value, name, value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"None or an integer in [0, {MAX_LOGPROBS}]")
-        _require("max_tokens", self.max_tokens != 0 or self.prompt_logprobs is not None,
-                 "max_tokens=0 generates nothing: it only scores the prompt, so ask for "
-                 "prompt_logprobs too (or raise max_tokens)")
+        require_field("max_tokens", self.max_tokens != 0 or self.prompt_logprobs is not None,
+                      "max_tokens=0 generates nothing: it only scores the prompt, so ask for "
+                      "prompt_logprobs too (or raise max_tokens)")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
-        _require("logit_bias", bias is None or (isinstance(bias, dict) and all(
+        require_field("logit_bias", bias is None or (isinstance(bias, dict) and all(
             is_int(t) and t >= 0 and is_number(b) and -100 <= b <= 100
             for t, b in bias.items())),
             f"logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got "
@@ -110,9 +106,4 @@ class SamplingParams:
 
 
 def _check(value, name: str, ok: bool, expected: str) -> None:
-    _require(name, ok, f"{name} must be {expected}, got {value!r}")
-
-
-def _require(name: str, ok: bool, message: str) -> None:
-    if not ok:
-        raise SamplingParamsError(name, message)
+    require_field(name, ok, f"{name} must be {expected}, got {value!r}")

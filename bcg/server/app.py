@@ -26,7 +26,6 @@ from bcg import __version__
 from bcg.config import FieldError
 from bcg.engine.llm_engine import BadPromptError, LLMEngine
 from bcg.engine.outputs import RequestOutput
-from bcg.engine.sampling_params import SamplingParamsError
 from bcg.loader.builtin import BUILTIN_NAME
 from bcg.server.engine_loop import ChatPrompt, EngineLoop, EngineSnapshot, Prompt
 from bcg.server.logprobs import (
@@ -153,7 +152,7 @@ class _Server:
             special = body.add_special_tokens is not False
             encode = lambda: tokenizer.encode(body.prompt, add_special_tokens=special)
         else:
-            chat = self._chat_prompt(body, bool(body.add_special_tokens))
+            chat = self._chat_prompt(body)
             encode = lambda: self.engine.chat_token_ids(chat.messages, chat.options)
 
         def run() -> dict:
@@ -175,6 +174,7 @@ class _Server:
         return JSONResponse({"prompt": text})
 
     async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)  # a 404 before any complaint about the body
         prompts = body.prompts()
         if not prompts:
             raise ApiError("the prompt is empty", param="prompt")
@@ -186,7 +186,7 @@ class _Server:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)  # a 404 before any complaint about the body
-        run = await self._start(body, [self._chat_prompt(body, bool(body.add_special_tokens))])
+        run = await self._start(body, [self._chat_prompt(body)])
         formatter = _ChatFormat(run)
         if body.stream:
             return run.stream(formatter.chunks())
@@ -195,7 +195,6 @@ class _Server:
     async def _start(self, body: SamplingFields, prompts: list[Prompt]) -> _Run:
         """Check the request, then add its engine requests: choice i of prompt p is engine
         request p * n + i."""
-        self._check_model(body.model)
         unsupported = body.unsupported()
         if unsupported is not None:
             field, why = unsupported
@@ -209,7 +208,7 @@ class _Server:
                 "(--max-sequences-per-request): split it", param="n" if n > 1 else "prompt")
         try:
             params = body.sampling_params()
-        except SamplingParamsError as error:
+        except FieldError as error:
             raise ApiError(str(error), param=body.param_of(error.field)) from error
         echo = isinstance(body, CompletionRequest) and body.echo
         echoes: dict[int, EchoText] = {}  # prompt index -> its echo strings
@@ -253,9 +252,10 @@ class _Server:
             raise ApiError(str(error)) from error
 
     @staticmethod
-    def _chat_prompt(body: ChatTemplateFields, add_special_tokens: bool) -> ChatPrompt:
+    def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest) -> ChatPrompt:
+        """The body's conversation; for messages, add_special_tokens is false unless set."""
         try:
-            return body.chat_prompt(add_special_tokens)
+            return body.chat_prompt(bool(body.add_special_tokens))
         except FieldError as error:  # contradicting options, or reserved template variables
             raise ApiError(str(error), param=error.field) from error
 
