@@ -156,7 +156,8 @@ class EngineConfig:
         "buffers over NVLink, instead of NCCL (SGLang's flag); where symmetric memory is "
         "unavailable (float16, ranks on several hosts, no peer access), logged, NCCL does "
         "them all. Its barrier has no timeout: a rank that dies mid-step leaves the others "
-        "waiting (kill them). Off by default until measured on GPUs",
+        "waiting (kill them). Off by default: on two H100s NCCL's all-reduce is faster inside "
+        "the model (6.2 against 8.7 µs at a decode step's 8 KiB)",
     )
 
     def __post_init__(self) -> None:

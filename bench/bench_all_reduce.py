@@ -4,8 +4,11 @@ hidden state (8 KiB at hidden 4096) to a 2048-token prefill chunk's (16 MiB).
 
 Each measurement is a CUDA graph of `CALLS` all-reduces in a row, replayed `REPLAYS` times
 between CUDA events on rank 0 (both ranks replay together): µs per all-reduce. Rows carry
-`bytes`, `nccl_us`, `symm_mem_us` (None above the sizes the kernel takes) and their ratio;
-the sizes where the kernel wins set `bcg.distributed.symm_mem.MAX_BYTES`.
+`bytes`, `nccl_us`, `symm_mem_us` (None above the sizes the kernel takes) and their ratio.
+Back to back, each all-reduce also waits for the other rank to finish its last one, which
+costs NCCL more than the kernel: between a model's kernels the order can differ (it does
+for qwen3-8b at tp2 on H100s), so the engine's `--enable-torch-symm-mem` is decided by
+`bench_tp`'s rows, not by these.
 JSON: bench/results/bench_all_reduce.json.
 Run: python bench/bench_all_reduce.py
 """
