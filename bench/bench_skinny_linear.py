@@ -1,0 +1,160 @@
+"""Decode-sized linear layers (1 to 16 rows, bf16): cuBLAS (`F.linear`) against the skinny
+kernel (`bcg/kernels/skinny_linear.py`), on the projections of qwen3-0.6b, qwen3-8b at tp1
+and tp2, and qwen3-30b-a3b's attention. The MLP's down projection is timed as the engine
+runs it, SiLU-and-mul then the GEMM, against the kernel with the activation fused.
+
+Each call is timed inside a CUDA graph of `CALLS` calls, cycling through copies of the
+weight that together exceed the L2 cache (each call reads its weight from HBM, as in a
+model). Rows carry `model`, `proj`, `rows`, `n`, `k`, `gated`, `cublas_us`, `skinny_us`,
+`skinny_over_cublas`, `floor_us` (the weight's bytes over the measured HBM bandwidth) and
+the kernel's config; `--tune` sweeps configs per shape and row count and keeps the best.
+JSON: bench/results/bench_skinny_linear.json.
+Run: PYTHONPATH=. python bench/bench_skinny_linear.py [--rows 1 8 16] [--models ...] [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    hbm_bandwidth_gbs,
+    print_table,
+    require_cuda,
+    time_per_call_ms,
+    write_results,
+)
+
+from bcg.kernels.activation import silu_and_mul  # noqa: E402
+from bcg.kernels.skinny_linear import CONFIGS, SkinnyConfig, skinny_linear  # noqa: E402
+from bcg.models.presets import PRESETS  # noqa: E402
+
+# (preset, tensor-parallel size, whether its MLP is dense: MoE experts are another kernel's)
+MODELS = [("qwen3-0.6b", 1, True), ("qwen3-8b", 1, True), ("qwen3-8b", 2, True),
+          ("qwen3-30b-a3b", 1, False)]
+
+
+def projections(preset: str, tp: int, dense_mlp: bool) -> dict[str, tuple[int, int, bool]]:
+    """One rank's projections of `preset`: name -> (N, K, gated), the weight `[N, K]`; a
+    gated one takes `[rows, 2K]` (SiLU-and-mul first). KV heads are replicated below tp."""
+    c = PRESETS[preset]
+    hidden, head_dim = c["hidden_size"], c["head_dim"]
+    q_width = c["num_attention_heads"] * head_dim // tp
+    kv_width = max(1, c["num_key_value_heads"] // tp) * head_dim
+    shapes = {"qkv": (q_width + 2 * kv_width, hidden, False), "o": (hidden, q_width, False)}
+    if dense_mlp:
+        intermediate = c["intermediate_size"] // tp
+        shapes.update(gate_up=(2 * intermediate, hidden, False),
+                      down=(hidden, intermediate, True))
+    return shapes
+
+
+SHAPES = {(preset if tp == 1 else f"{preset} tp{tp}", proj): shape
+          for preset, tp, dense_mlp in MODELS
+          for proj, shape in projections(preset, tp, dense_mlp).items()}
+CALLS = 24
+L2_BYTES = 50 * 2**20  # the H100's; copies of a weight fill at least twice this
+DTYPE = torch.bfloat16
+# each config compiles once per shape: 12 of them keep a full sweep to a few minutes
+TUNE_GRID = [SkinnyConfig(*c) for c in itertools.product([16, 32, 64], [128, 256], [4],
+                                                         [3, 4])]
+
+
+def graph_us(calls: list) -> float:
+    """µs per call of `calls`, captured in one CUDA graph in order."""
+    for call in calls[:2]:
+        call()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    us = time_per_call_ms(graph.replay, iters=20) * 1e3 / len(calls)
+    graph.reset()
+    return us
+
+
+def cycled(call, weights: list[torch.Tensor]) -> list:
+    """`CALLS` calls of `call(weight)`, the weights in turn."""
+    return [functools.partial(call, weights[i % len(weights)]) for i in range(CALLS)]
+
+
+def cublas_calls(x: torch.Tensor, weights: list[torch.Tensor], gated: bool) -> list:
+    def call(weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(x) if gated else x, weight)
+
+    return cycled(call, weights)
+
+
+def skinny_calls(x: torch.Tensor, weights: list[torch.Tensor], gated: bool,
+                 config: SkinnyConfig) -> list:
+    def call(weight: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, weight, gated=gated, config=config)
+
+    return cycled(call, weights)
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, gated: bool, config: SkinnyConfig) -> None:
+    """The kernel's output against cuBLAS's (bf16 rounding apart)."""
+    ours = skinny_linear(x, weight, gated=gated, config=config).float()
+    theirs = F.linear(silu_and_mul(x) if gated else x, weight).float()
+    error = ((ours - theirs).norm() / theirs.norm()).item()
+    if error > 2e-2:
+        raise AssertionError(f"skinny_linear is {error:.2e} from cuBLAS with {config}")
+
+
+def measure(model: str, proj: str, rows: int, hbm_gbs: float, tune: bool) -> dict:
+    n, k, gated = SHAPES[(model, proj)]
+    weight_bytes = n * k * DTYPE.itemsize
+    copies = max(1, -(-2 * L2_BYTES // weight_bytes))
+    weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") * k**-0.5 for _ in range(copies)]
+    x = torch.randn(rows, 2 * k if gated else k, dtype=DTYPE, device="cuda")
+    cublas_us = graph_us(cublas_calls(x, weights, gated))
+    timings = []
+    for config in TUNE_GRID if tune else [CONFIGS.gpu]:
+        try:
+            check(x, weights[0], gated, config)
+            timings.append((graph_us(skinny_calls(x, weights, gated, config)), config))
+        except Exception as error:  # out of shared memory or registers: skip the config
+            print(f"  {model} {proj} rows {rows} {config}: {type(error).__name__}: {error}")
+    best_us, best = min(timings, key=lambda t: t[0])
+    return {"model": model, "proj": proj, "rows": rows, "n": n, "k": k, "gated": gated,
+            "cublas_us": cublas_us, "skinny_us": best_us, "skinny_over_cublas": best_us / cublas_us,
+            "floor_us": weight_bytes / (hbm_gbs * 1e9) * 1e6, "config": asdict(best),
+            "tuned": tune}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
+    parser.add_argument("--models", nargs="+", default=sorted({m for m, _ in SHAPES}),
+                        choices=sorted({m for m, _ in SHAPES}))
+    parser.add_argument("--tune", action="store_true",
+                        help=f"sweep {len(TUNE_GRID)} configs per shape and row count")
+    args = parser.parse_args()
+    require_cuda("bench_skinny_linear")
+    torch.manual_seed(0)
+    hbm_gbs = hbm_bandwidth_gbs()
+    rows = [measure(model, proj, count, hbm_gbs, args.tune)
+            for (model, proj), count in itertools.product(SHAPES, args.rows)
+            if model in args.models]
+    write_results("bench_skinny_linear", {"hbm_gbs": hbm_gbs, "rows": rows})
+    print_table(f"decode-sized linear layers, µs per call in CUDA graphs (HBM {hbm_gbs:.0f} GB/s)",
+                ["model", "proj", "rows", "N x K", "cuBLAS", "skinny", "skinny/cuBLAS",
+                 "floor", "config"],
+                [[r["model"], r["proj"] + (" +silu" if r["gated"] else ""), r["rows"],
+                  f"{r['n']}x{r['k']}", r["cublas_us"], r["skinny_us"],
+                  r["skinny_over_cublas"], r["floor_us"],
+                  "/".join(map(str, r["config"].values()))] for r in rows])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The skinny linear kernel (decode-sized rows) against PyTorch: plain, with bias, with
+SiLU-and-mul fused on its input, on shapes whose N and K do and do not divide its tiles, a
+strided input and a row count of zero; bad arguments are refused with their shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels_support import DEVICE, DTYPE, ON_GPU, TOLERANCE, import_kernels
+from tests.numerics import relative_error
+
+skinny = import_kernels("skinny_linear")
+
+ROWS = [1, 3, 8, 16]
+# (N, K): tiles that divide both, and ones that leave a remainder of each
+SHAPES = [(4096, 2048), (3072, 4096), (1000, 1536)] if ON_GPU else [(32, 48), (37, 40)]
+
+
+def rand(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    return (torch.randn(*shape, generator=generator) * 0.1).to(DTYPE).to(DEVICE)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              gated: bool) -> torch.Tensor:
+    x = x.float()
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = (F.silu(gate) * up).to(DTYPE).float()  # rounded as the activation's output is
+    return F.linear(x, weight.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu-and-mul"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_it_matches_pytorch(rows, n, k, with_bias, gated):
+    generator = torch.Generator().manual_seed(rows * 7 + n + k)
+    x = rand(rows, 2 * k if gated else k, generator=generator)
+    weight = rand(n, k, generator=generator)
+    bias = rand(n, generator=generator) if with_bias else None
+    out = skinny.skinny_linear(x, weight, bias, gated=gated)
+    assert out.shape == (rows, n) and out.dtype == DTYPE
+    assert relative_error(out, reference(x, weight, bias, gated)) <= TOLERANCE
+
+
+def test_a_strided_input_and_an_output_view():
+    generator = torch.Generator().manual_seed(0)
+    n, k = SHAPES[-1]
+    wide = rand(4, k + 8, generator=generator)
+    x = wide[:, :k]  # rows a stride apart wider than K
+    weight = rand(n, k, generator=generator)
+    out = torch.zeros(4, n + 5, dtype=DTYPE, device=DEVICE)[:, :n]
+    skinny.skinny_linear(x, weight, out=out)
+    assert relative_error(out, reference(x, weight, None, False)) <= TOLERANCE
+
+
+def test_no_rows_launch_nothing():
+    n, k = SHAPES[0]
+    weight = torch.zeros(n, k, dtype=DTYPE, device=DEVICE)
+    assert skinny.skinny_linear(weight[:0], weight).shape == (0, n)
+
+
+@pytest.mark.parametrize("rows, width, dtype, message", [
+    (skinny.MAX_ROWS + 1, 48, DTYPE, "at most 16 rows"),
+    (2, 47, DTYPE, "K columns"),
+    (2, 48, torch.float16 if DTYPE != torch.float16 else torch.bfloat16, "weight's dtype"),
+])
+def test_bad_arguments_are_refused(rows, width, dtype, message):
+    weight = torch.zeros(32, 48, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        skinny.skinny_linear(torch.zeros(rows, width, dtype=dtype, device=DEVICE), weight)
