@@ -8,7 +8,8 @@ sums the parts in a second kernel (on two H100s, qwen3-8b's o projection at tp2 
 `block_n` output columns and reads the whole K for them: enough programs to fill the GPU for
 the projections of 1B-and-up models, one launch, no workspace. The MLP's down projection can
 take `[gate | up]` and apply SiLU-and-mul as it loads its input (`gated=True`), which saves
-the activation's own launch and its round trip through memory.
+the activation's own launch and its round trip through memory. The layers choose it in
+`bcg.layers.triton_ops.uses_skinny_linear`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
+from bcg.layers import triton_ops
 
 
 def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -57,6 +58,20 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(sum(local_outputs)), requires_grad=False)
                      if bias else None)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T + bias` (into `out` if given). Decode-sized steps on CUDA take the skinny
+        kernel (one launch), which with `gated` also applies SiLU-and-mul to `x = [gate |
+        up]` as it loads it (only asked for where `uses_skinny_linear(x)`); the rest cuBLAS."""
+        if triton_ops.uses_skinny_linear(x):
+            return triton_ops.skinny_linear(x, self.weight, bias, gated=gated, out=out)
+        assert not gated, "a gated input outside the skinny kernel"
+        if out is None:
+            return F.linear(x, self.weight, bias)
+        if bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(bias, x, self.weight.t(), out=out)
+
 
 class ColumnParallelLinear(Linear):
     """Block i of `output_sizes` is cut into `parts[i]` equal parts (default: one per rank);
@@ -77,11 +92,7 @@ class ColumnParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`x` `[T, input_size]` -> this rank's `[T, sum(local outputs)]`, into `out` if given."""
-        if out is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+        return self.matmul(x, self.bias, out=out)
 
     def load_weight(self, name: str, loaded: torch.Tensor, block: int | None = None) -> None:
         """Copy this rank's part of checkpoint tensor `name`: output block `block`, or, with
@@ -118,11 +129,12 @@ class RowParallelLinear(Linear):
         super().__init__(local_input, [output_size], [output_size], bias)
         self.tp, self.input_start, self.input_size = tp, start, input_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` `[T, local input]` -> `[T, output_size]`, the same on every rank."""
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """`x` `[T, local input]` (with `gated`, `[gate | up]` of twice that, SiLU-and-mul
+        first) -> `[T, output_size]`, the same on every rank."""
         if self.tp.size == 1:  # one kernel, the bias fused
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # the bias added once, after the sum
+            return self.matmul(x, self.bias, gated)
+        y = self.tp.all_reduce(self.matmul(x, None, gated))  # the bias added once, after the sum
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:

@@ -23,6 +23,8 @@ try:
     from bcg.kernels.moe_routing import route_top_k
     from bcg.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
     from bcg.kernels.rotary import apply_rotary
+    from bcg.kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS
+    from bcg.kernels.skinny_linear import skinny_linear
 
     HAVE_TRITON = True
 except ImportError:
@@ -31,8 +33,8 @@ except ImportError:
 __all__ = ["add_rms_norm", "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen",
            "decode_attention", "extend_attention", "fused_experts", "gated_rms_norm",
            "plan_decode", "relu_squared", "rms_norm", "route_top_k", "selective_state_update",
-           "silu_and_mul", "ssd_scan_varlen", "store_kv", "use_fused_kernels", "uses_moe_kernel",
-           "uses_triton"]
+           "silu_and_mul", "skinny_linear", "ssd_scan_varlen", "store_kv", "use_fused_kernels",
+           "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -47,6 +49,13 @@ def uses_triton(device: torch.device) -> bool:
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def uses_skinny_linear(x: torch.Tensor) -> bool:
+    """Whether a linear layer takes `x` through the skinny kernel: decode-sized rows in a
+    16-bit dtype on CUDA, outside torch.compile (cuBLAS takes the rest)."""
+    return (use_fused_kernels(x) and x.shape[0] <= SKINNY_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def uses_moe_kernel(x: torch.Tensor) -> bool:

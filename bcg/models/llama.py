@@ -9,6 +9,7 @@ from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.graph import bridge_buffer
+from bcg.layers import triton_ops
 from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention import Attention, kv_store_target
 from bcg.layers.embedding import Embedding, LMHead
@@ -73,7 +74,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if triton_ops.uses_skinny_linear(gate_up):  # SiLU-and-mul inside the down projection
+            return self.down_proj(gate_up, gated=True)
+        return self.down_proj(self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

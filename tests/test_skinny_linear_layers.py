@@ -1,0 +1,30 @@
+"""The linear layers and the MLP through the skinny kernel (the interpreter on the CPU, fp32):
+a tiny Llama's logits with decode-sized steps on the kernel, SiLU-and-mul fused into the
+down projection, match those of PyTorch's matmuls. On CUDA the layers take the kernel for
+steps of up to 16 rows in bf16 and fp16 (`triton_ops.uses_skinny_linear`)."""
+
+import torch
+
+from bcg.layers import triton_ops
+from tests.hf_tiny import save_tiny_model
+from tests.kernels_support import import_kernels
+from tests.numerics import relative_error
+from tests.split_runs import step_logits
+
+skinny = import_kernels("skinny_linear")
+
+
+def test_decode_steps_on_the_kernel_give_pytorchs_logits(tmp_path, monkeypatch):
+    save_tiny_model("llama", tmp_path)
+    expected, _ = step_logits(str(tmp_path))
+    taken = []
+
+    def decode_sized(x: torch.Tensor) -> bool:  # the CUDA rule, for the CPU's fp32
+        taken.append(x.shape[0] <= skinny.MAX_ROWS)
+        return taken[-1]
+
+    monkeypatch.setattr(triton_ops, "uses_skinny_linear", decode_sized)
+    ours, _ = step_logits(str(tmp_path))
+    assert any(taken) and not all(taken)  # the decodes took it, the 26-token prefill not
+    for got, want in zip(ours, expected, strict=True):
+        assert relative_error(got, want) <= 1e-4
