@@ -7,7 +7,9 @@ Each call is timed inside a CUDA graph of `CALLS` calls, cycling through copies 
 weight that together exceed the L2 cache (each call reads its weight from HBM, as in a
 model). Rows carry `model`, `proj`, `rows`, `n`, `k`, `gated`, `cublas_us`, `skinny_us`,
 `skinny_over_cublas`, `floor_us` (the weight's bytes over the measured HBM bandwidth) and
-the kernel's config; `--tune` sweeps configs per shape and row count and keeps the best.
+the kernel's config, and `engine_uses` (whether the engine takes the kernel for the shape:
+`skinny_linear.fills_device`); `--tune` sweeps configs per shape and row count and keeps
+the best.
 JSON: bench/results/bench_skinny_linear.json.
 Run: PYTHONPATH=. python bench/bench_skinny_linear.py [--rows 1 8 16] [--models ...] [--tune]
 """
@@ -34,7 +36,12 @@ from common import (  # noqa: E402
 )
 
 from bcg.kernels.activation import silu_and_mul  # noqa: E402
-from bcg.kernels.skinny_linear import CONFIGS, SkinnyConfig, skinny_linear  # noqa: E402
+from bcg.kernels.skinny_linear import (  # noqa: E402
+    CONFIGS,
+    SkinnyConfig,
+    fills_device,
+    skinny_linear,
+)
 from bcg.models.presets import PRESETS  # noqa: E402
 
 # (preset, tensor-parallel size, whether its MLP is dense: MoE experts are another kernel's)
@@ -129,7 +136,7 @@ def measure(model: str, proj: str, rows: int, hbm_gbs: float, tune: bool) -> dic
     return {"model": model, "proj": proj, "rows": rows, "n": n, "k": k, "gated": gated,
             "cublas_us": cublas_us, "skinny_us": best_us, "skinny_over_cublas": best_us / cublas_us,
             "floor_us": weight_bytes / (hbm_gbs * 1e9) * 1e6, "config": asdict(best),
-            "tuned": tune}
+            "tuned": tune, "engine_uses": fills_device(weights[0])}
 
 
 def main() -> None:
@@ -149,11 +156,11 @@ def main() -> None:
     write_results("bench_skinny_linear", {"hbm_gbs": hbm_gbs, "rows": rows})
     print_table(f"decode-sized linear layers, µs per call in CUDA graphs (HBM {hbm_gbs:.0f} GB/s)",
                 ["model", "proj", "rows", "N x K", "cuBLAS", "skinny", "skinny/cuBLAS",
-                 "floor", "config"],
+                 "floor", "config", "engine uses"],
                 [[r["model"], r["proj"] + (" +silu" if r["gated"] else ""), r["rows"],
                   f"{r['n']}x{r['k']}", r["cublas_us"], r["skinny_us"],
                   r["skinny_over_cublas"], r["floor_us"],
-                  "/".join(map(str, r["config"].values()))] for r in rows])
+                  "/".join(map(str, r["config"].values())), r["engine_uses"]] for r in rows])
 
 
 if __name__ == "__main__":

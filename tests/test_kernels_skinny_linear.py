@@ -71,3 +71,10 @@ def test_bad_arguments_are_refused(rows, width, dtype, message):
     weight = torch.zeros(32, 48, dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match=message):
         skinny.skinny_linear(torch.zeros(rows, width, dtype=dtype, device=DEVICE), weight)
+
+
+def test_a_weight_fills_the_device_with_a_program_per_multiprocessor():
+    block_n = skinny.CONFIGS.for_device(ON_GPU).block_n
+    sms = skinny.multiprocessor_count(DEVICE)
+    assert skinny.fills_device(torch.empty(block_n * sms, 8, device=DEVICE))
+    assert not skinny.fills_device(torch.empty(block_n * (sms - 1), 8, device=DEVICE))

@@ -19,7 +19,7 @@ def test_decode_steps_on_the_kernel_give_pytorchs_logits(tmp_path, monkeypatch):
     expected, _ = step_logits(str(tmp_path))
     taken = []
 
-    def decode_sized(x: torch.Tensor) -> bool:  # the CUDA rule, for the CPU's fp32
+    def decode_sized(x: torch.Tensor, weight: torch.Tensor) -> bool:  # CUDA's rows rule
         taken.append(x.shape[0] <= skinny.MAX_ROWS)
         return taken[-1]
 

@@ -20,7 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import CachedLauncher, DeviceConfigs, require_last_dim_contiguous
+from bcg.kernels._launch import (
+    CachedLauncher,
+    DeviceConfigs,
+    multiprocessor_count,
+    require_last_dim_contiguous,
+)
 from bcg.utils import cdiv
 
 MAX_ROWS = 16  # the smallest tile tl.dot multiplies; more rows go to cuBLAS
@@ -37,6 +42,13 @@ class SkinnyConfig:
 # GPU default: a first guess, to be replaced by `bench/bench_skinny_linear.py --tune`.
 CONFIGS = DeviceConfigs(gpu=SkinnyConfig(16, 256, 4, 4),
                         interpreter=SkinnyConfig(16, 16, 1, 1))
+
+
+def fills_device(weight: torch.Tensor) -> bool:
+    """Whether `weight` has the output columns to give every multiprocessor a program:
+    fewer programs cannot stream the weight at full speed without splitting K."""
+    programs = cdiv(weight.shape[0], CONFIGS.for_device(weight.is_cuda).block_n)
+    return programs >= multiprocessor_count(weight.device)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -62,8 +62,8 @@ class Linear(nn.Module):
                out: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + bias` (into `out` if given). Decode-sized steps on CUDA take the skinny
         kernel (one launch), which with `gated` also applies SiLU-and-mul to `x = [gate |
-        up]` as it loads it (only asked for where `uses_skinny_linear(x)`); the rest cuBLAS."""
-        if triton_ops.uses_skinny_linear(x):
+        up]` as it loads it (only asked for where `uses_skinny_linear` holds); the rest cuBLAS."""
+        if triton_ops.uses_skinny_linear(x, self.weight):
             return triton_ops.skinny_linear(x, self.weight, bias, gated=gated, out=out)
         assert not gated, "a gated input outside the skinny kernel"
         if out is None:

@@ -24,7 +24,7 @@ try:
     from bcg.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
     from bcg.kernels.rotary import apply_rotary
     from bcg.kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS
-    from bcg.kernels.skinny_linear import skinny_linear
+    from bcg.kernels.skinny_linear import fills_device, skinny_linear
 
     HAVE_TRITON = True
 except ImportError:
@@ -51,11 +51,12 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def uses_skinny_linear(x: torch.Tensor) -> bool:
+def uses_skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer takes `x` through the skinny kernel: decode-sized rows in a
-    16-bit dtype on CUDA, outside torch.compile (cuBLAS takes the rest)."""
+    16-bit dtype on CUDA, outside torch.compile, and a weight wide enough to keep every
+    multiprocessor streaming (cuBLAS takes the rest)."""
     return (use_fused_kernels(x) and x.shape[0] <= SKINNY_MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16))
+            and x.dtype in (torch.bfloat16, torch.float16) and fills_device(weight))
 
 
 def uses_moe_kernel(x: torch.Tensor) -> bool:

@@ -75,7 +75,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if triton_ops.uses_skinny_linear(gate_up):  # SiLU-and-mul inside the down projection
+        # SiLU-and-mul inside the down projection where the skinny kernel runs it
+        if triton_ops.uses_skinny_linear(gate_up, self.down_proj.weight):
             return self.down_proj(gate_up, gated=True)
         return self.down_proj(self.act(gate_up))
 
