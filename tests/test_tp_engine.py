@@ -243,6 +243,24 @@ def test_a_launched_worker_failing_logs_its_rank_and_exits_non_zero():
     assert "RuntimeError: injected failure" in done.stderr
 
 
+UNGUARDED_SCRIPT = """
+from bcg.engine.llm import LLM
+
+LLM({folder!r}, tensor_parallel_size=2, device="cpu", kv_cache_tokens=1024, max_model_len=256)
+"""
+
+
+def test_a_script_that_builds_the_llm_unguarded_is_told_to_guard_it(tmp_path):
+    save_tiny_model("qwen3", tmp_path / "model")
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT.format(folder=str(tmp_path / "model")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=FAILURE_SECONDS)
+    assert done.returncode == 1
+    assert "rank 1 failed to start" in done.stderr
+    assert 'move that under `if __name__ == "__main__":`' in done.stderr
+
+
 def test_the_failure_abort_warns_without_torchs_api_and_not_after_close(monkeypatch, caplog):
     monkeypatch.delattr(c10d, "_abort_process_group", raising=False)
     workers = Workers(EngineConfig(device="cpu"))

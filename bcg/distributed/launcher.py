@@ -134,7 +134,7 @@ class Workers:
             message = _receive(reports)
             if message is None or message[0] != "started":
                 process.join(5)
-                detail = message[1] if message else f"its process exited ({process.exitcode})"
+                detail = message[1] if message else _exited_before_start(process.exitcode)
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
     def _watch(self) -> None:
@@ -262,3 +262,11 @@ def _receive(reports: Connection) -> tuple[str, str] | None:
         return reports.recv()
     except (EOFError, OSError):
         return None
+
+
+def _exited_before_start(exit_code: int | None) -> str:
+    """Why a spawned worker may have ended before it could report: most often a script that
+    builds its LLM at import, which the worker (importing the script) then does too."""
+    return (f"its process exited ({exit_code}) before it started; its output above says why. "
+            "If your script builds the LLM at its top level, move that under "
+            "`if __name__ == \"__main__\":` (each worker is spawned and imports the script)")
