@@ -145,8 +145,9 @@ class EngineConfig:
         "allreduce",
         "how expert parallel reaches the experts: 'allreduce' (every rank computes its "
         "experts' part of every token, one all-reduce sums them; capturable), 'alltoall' "
-        "(each token goes only to its experts' ranks and back: steps of up to max_num_seqs "
-        "tokens, decodes among them, in fixed-size blocks, capturable; larger ones in sizes "
+        "(each token's choices go only to its experts' ranks and back: steps of up to "
+        "max_num_seqs tokens, decodes among them, in blocks padded to a fixed size, "
+        "capturable; larger ones, and every step of a piecewise (compiled) graph, in sizes "
         "only the host knows, a graph break)",
         choices=DISPATCH_MODES,
     )

@@ -51,9 +51,12 @@ DENSE = {"tp": {}}
 MOE = {"tp": {},
        "ep-allreduce": {"enable_expert_parallel": True, "ep_dispatch": "allreduce"},
        # max_num_seqs 4: the prefill (26 tokens) exchanges counted rows through graph breaks,
-       # the decode steps fixed-size blocks inside the decode graphs
+       # the decode steps fixed-size blocks inside the decode graphs; max_num_seqs 32: the
+       # prefill too (its 32-token bucket) inside breakable segments, unless compiled
        "ep-alltoall": {"enable_expert_parallel": True, "ep_dispatch": "alltoall",
-                       "max_num_seqs": 4}}
+                       "max_num_seqs": 4},
+       "ep-alltoall fixed": {"enable_expert_parallel": True, "ep_dispatch": "alltoall",
+                             "max_num_seqs": 32}}
 # The small all-reduces through torch symmetric memory instead of NCCL (on the tiny models).
 SYMM_MEM = {"enable_torch_symm_mem": True}
 DENSE_SYMM_MEM = {**DENSE, "tp symm-mem": SYMM_MEM}

@@ -15,7 +15,8 @@ by the step's size alone, so every rank picks the same (SGLang's DeepEP 'auto' m
   (a sync): one `step_op`, a graph break in breakable graphs, outside the compiled region
   under torch.compile. Only the real rows are exchanged: graph padding rows may differ
   between ranks, and so would their routing.
-Traced code (`torch.compile`) always takes the second form, so its collectives stay eager.
+Traced code (`torch.compile`, piecewise graphs) always takes the second form, whatever its
+size, so its collectives stay eager.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from bcg.distributed.parallel_state import TensorParallel
 from bcg.forward import get_forward_context
+from bcg.graph import is_in_breakable_cuda_graph
 from bcg.layers.step_op import step_op
 from bcg.utils import cdiv
 
@@ -38,11 +40,17 @@ def alltoall_experts(layer: FusedMoE, hidden_states: torch.Tensor, topk_weights:
     """`[T, H]` tokens (the same on every rank), their routing over global expert ids ->
     `[T, H]` expert outputs on every rank (rows past the step's real tokens unset)."""
     out = torch.empty_like(hidden_states)
-    small = hidden_states.shape[0] <= layer.fixed_block_tokens
-    if small and not torch.compiler.is_compiling():
+    # is_compiling first: a size test under torch.compile would guard on the token count
+    # and recompile the stack for steps on either side of it.
+    if (not torch.compiler.is_compiling()
+            and hidden_states.shape[0] <= layer.fixed_block_tokens):
         _exchange_fixed_blocks(layer, hidden_states, topk_weights, topk_ids, out)
-    else:
-        exchange_counted(layer, hidden_states, topk_weights, topk_ids, out)
+        return out
+    assert not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+                and not is_in_breakable_cuda_graph()), (
+        f"a full CUDA graph of {hidden_states.shape[0]} tokens, more than the "
+        f"{layer.fixed_block_tokens} the fixed-size exchange takes (decode graphs stay within)")
+    exchange_counted(layer, hidden_states, topk_weights, topk_ids, out)
     return out
 
 
