@@ -7,7 +7,9 @@ continuous batching.
 is counted as nano-vllm counts it: the sum of the requests' max_tokens over the wall time of
 the timed run (a run that generated any other number of tokens is an error); tok/s counts
 prompt + generated tokens over the same time. Start-up is the engine's construction
-(weights, graph capture, KV cache); each engine first runs a short warm-up of the same
+(weights, graph capture, KV cache; `startup_steps` has the seconds of each part on rank 0,
+where waiting for other ranks shows in the parts with collectives); each engine first runs
+a short warm-up of the same
 prompt lengths (not timed: see `timed_run`), then `--repeats` timed runs of the workload's
 lengths, and the row is the median run. Transformers `generate` runs the requests in batches
 of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
@@ -101,7 +103,7 @@ def time_workload(llm: LLM, requests, repeats: int) -> dict:
     median = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
     kv_cache_tokens = llm.engine.runner.num_kv_blocks * llm.engine.config.block_size
     return {**median, "run_seconds": [run["seconds"] for run in runs], "warmup_s": warmup,
-            "kv_cache_tokens": kv_cache_tokens}
+            "kv_cache_tokens": kv_cache_tokens, "startup_steps": llm.engine.startup_seconds}
 
 
 def on_engine(measure: Callable[[LLM], T], **llm_args) -> tuple[T, float]:

@@ -42,9 +42,22 @@ def tiny_folder(request, tmp_path_factory):
 def generate(folder, tp: int, **extra):
     llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS, **extra)
     try:
+        check_startup_steps(llm.engine.startup_seconds, tp)
         return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     finally:
         llm.close()
+
+
+def check_startup_steps(steps: dict[str, float], tp: int) -> None:
+    """Rank 0's start-up parts: its own, and over several ranks the workers' start."""
+    wanted = ["tokenizer", "tensor-parallel workers spawned", "tensor-parallel group formed",
+              "weights (auto)", "KV cache sized and allocated", "total"]
+    if tp == 1:
+        wanted = [step for step in wanted if not step.startswith("tensor-parallel")]
+    assert [step for step in steps if step in wanted] == wanted
+    assert all(seconds >= 0 for seconds in steps.values())
+    outermost = [seconds for step, seconds in steps.items() if step != "total" and ">" not in step]
+    assert steps["total"] >= sum(outermost)
 
 
 def logprob_values(positions) -> list[float]:

@@ -32,6 +32,7 @@ from bcg.distributed.parallel_state import (
     local_rank,
 )
 from bcg.models.config import ModelConfig
+from bcg.timing import startup_step
 from bcg.utils import free_port
 
 if TYPE_CHECKING:
@@ -102,11 +103,13 @@ class Workers:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._spawn(config, init_method)
         try:
-            self._wait_until_started()
+            with startup_step("tensor-parallel workers spawned"):
+                self._wait_until_started()
             self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
                                              daemon=True)
             self._watcher.start()
-            with self.failures_named():
+            # the workers import the engine's modules before they join: their import time
+            with startup_step("tensor-parallel group formed"), self.failures_named():
                 rank_loop.join_group(config, init_method, rank=0)
         except BaseException:
             self.close()

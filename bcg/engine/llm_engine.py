@@ -35,7 +35,7 @@ from bcg.loader.tokenizer import load_tokenizer
 from bcg.models.config import ModelConfig
 from bcg.runner.graph_verify import verify_graphs
 from bcg.runner.model_runner import ModelRunner, StepResult
-from bcg.timing import startup_step
+from bcg.timing import startup_step, take_startup_steps
 from bcg.utils import is_int
 
 logger = logging.getLogger(__name__)
@@ -146,11 +146,13 @@ class LLMEngine:
             rank_loop.launched_worker_main(config)
         self.config = config
         start = time.perf_counter()
+        take_startup_steps()  # an earlier engine's, or one that failed to start
         source = config.model_source()
         self.model_config = source.config
         self.max_model_len = resolve_max_model_len(config, source.config)
         check_tensor_parallel_size(config, source.config)
-        self.tokenizer = load_tokenizer(source, config.tokenizer, config.trust_remote_code)
+        with startup_step("tokenizer"):
+            self.tokenizer = load_tokenizer(source, config.tokenizer, config.trust_remote_code)
         # Looked up (or refused) once at start-up, not per request.
         self._decoder = fast_backend(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(source.config.eos_token_ids)
@@ -180,8 +182,11 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self._token_texts: dict[int, str] = {}
+        # Seconds of each start-up step on this rank (another rank's work shows as waiting
+        # in the steps with collectives), and the whole.
+        self.startup_seconds = {**take_startup_steps(), "total": time.perf_counter() - start}
         logger.info("engine ready in %.2f s: %s on %s (%s), max_model_len=%d",
-                    time.perf_counter() - start, source.name, self.runner.device,
+                    self.startup_seconds["total"], source.name, self.runner.device,
                     self.runner.dtype, self.max_model_len)
 
     def add_request(
