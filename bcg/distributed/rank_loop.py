@@ -62,7 +62,7 @@ def serve_steps(config: EngineConfig, init_method: str = "env://",
                 rank: int | None = None) -> None:
     """Join the group, build this rank's runner as rank 0 builds its own, and run rank 0's
     steps until it shuts down."""
-    from bcg.engine.llm_engine import start_runner  # the engine imports this module
+    from bcg.runner.startup import start_runner  # after "started": the runner's imports
 
     # Spawned by rank 0 on its host: the device index is the rank. Under torchrun: LOCAL_RANK.
     config = rank_config(config, local_rank() if rank is None else rank)

@@ -30,11 +30,9 @@ from bcg.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, Requ
 from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
-from bcg.loader.model_source import ModelSource
 from bcg.loader.tokenizer import load_tokenizer
-from bcg.models.config import ModelConfig
-from bcg.runner.graph_verify import verify_graphs
-from bcg.runner.model_runner import ModelRunner, StepResult
+from bcg.runner.model_runner import StepResult
+from bcg.runner.startup import resolve_max_model_len, start_runner
 from bcg.timing import startup_step, take_startup_steps
 from bcg.utils import is_int
 
@@ -88,30 +86,6 @@ class _Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-
-
-def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
-    limit = model.max_position_embeddings
-    if config.max_model_len is None:
-        return limit
-    require(config.max_model_len <= limit,
-            f"max_model_len={config.max_model_len} exceeds the model's context length {limit}")
-    return config.max_model_len
-
-
-def start_runner(config: EngineConfig, source: ModelSource | None = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> ModelRunner:
-    """This rank's runner: weights, graphs, KV cache, then --verify-graphs. Every
-    tensor-parallel rank builds its own this way, so their start-up collectives meet."""
-    if source is None:
-        source = config.model_source()
-    torch.manual_seed(config.seed)
-    runner = ModelRunner(config, source, resolve_max_model_len(config, source.config),
-                         eos_token_ids)
-    if config.verify_graphs and runner.graph_runners:
-        with startup_step("--verify-graphs"):
-            verify_graphs(runner)
-    return runner
 
 
 def prefix_caching_enabled(config: EngineConfig, num_state_slots: int) -> bool:
