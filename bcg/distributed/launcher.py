@@ -108,7 +108,7 @@ class Workers:
             self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
                                              daemon=True)
             self._watcher.start()
-            # the workers import the engine's modules before they join: their import time
+            # the workers import the runner's modules before they join: their import time
             with startup_step("tensor-parallel group formed"), self.failures_named():
                 rank_loop.join_group(config, init_method, rank=0)
         except BaseException:
