@@ -145,8 +145,10 @@ class EngineConfig:
         "allreduce",
         "how expert parallel reaches the experts: 'allreduce' (every rank computes its "
         "experts' part of every token, one all-reduce sums them; capturable), 'alltoall' "
-        "(each token goes only to its experts' ranks and back; sizes known only on the host, "
-        "so a graph break: needs --decode-graph breakable or none)",
+        "(each token's choices go only to its experts' ranks and back: steps of up to "
+        "max_num_seqs tokens, decodes among them, in blocks padded to a fixed size, "
+        "capturable; larger ones, and every step of a piecewise (compiled) graph, in sizes "
+        "only the host knows, a graph break)",
         choices=DISPATCH_MODES,
     )
     enable_torch_symm_mem: bool = _arg(
@@ -197,10 +199,6 @@ class EngineConfig:
             require(getattr(self, name) is None or _is_size_list(getattr(self, name)),
                    f"{name} must be comma-separated positive integers like '16,64,256', got "
                    f"{getattr(self, name)!r}")
-        require(not (self.enable_expert_parallel and self.ep_dispatch == "alltoall"
-                     and self.decode_graph == "full" and self.torch_device.type == "cuda"),
-                "--ep-dispatch alltoall exchanges tokens in sizes only the host knows, which a "
-                "full decode graph cannot hold: add --decode-graph breakable (or none)")
         require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
 

@@ -2,7 +2,7 @@
 
 Configurations: `tp1` (one GPU); on two GPUs `tp2` (each expert's intermediate dimension
 split), `ep2-allreduce` (half the experts per rank, one all-reduce) and `ep2-alltoall` (each
-token sent to its experts' ranks; decode graphs breakable, as that dispatch requires).
+token sent to its experts' ranks).
 Rows, each measured as `bench/model_suite.py` describes: prefill (eager, breakable,
 piecewise), decode engine step at batch 1, 8 and 64, bench_offline's output tok/s. Decode
 rows carry two weight-read floors per rank: `floor` (every weight, all experts) and
@@ -38,8 +38,7 @@ SETUPS = {
     "tp1": suite.Setup({"model": MODEL}),
     "tp2": suite.Setup(TWO_RANKS),
     "ep2-allreduce": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "allreduce"}),
-    "ep2-alltoall": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall",
-                                 "decode_graph": "breakable"}),
+    "ep2-alltoall": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall"}),
 }
 
 

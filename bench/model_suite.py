@@ -16,6 +16,10 @@ spawns the other ranks, which follow its steps, so every timed step is an
   sizes 1, 8, 64, with weight-read floors: bytes one forward reads on a rank / HBM bandwidth.
 - offline: bench_offline's workload through `LLM.generate` (its `run_bcg`, default graphs),
   output tok/s; `--offline-requests N` runs only its first N requests (the row is `scaled`).
+- graphs (only for setups that list it): an engine with the default graphs at the model's
+  layer count and at a quarter of it: seconds until `LLM(...)` is ready (every graph
+  captured) and each graph runner's pool on rank 0; a pool that does not grow with depth
+  stays flat.
 
 Engines run one at a time, each closed and its memory handed back before the next starts
 (bench_offline's `on_engine`). A bench names its configurations (`Setup`) and calls
@@ -59,6 +63,9 @@ from bcg.engine.sampling_params import SamplingParams  # noqa: E402
 from bcg.loader.model_source import resolve_model  # noqa: E402
 
 PARTS = ("prefill", "decode", "offline")
+GRAPHS_PART = "graphs"  # measured only on setups that list it
+ALL_PARTS = (*PARTS, GRAPHS_PART)
+LAYER_DIVISORS = (1, 4)  # the graphs part's depths: all the model's layers, and a quarter
 PREFILL_MODES = {"eager": "none", "breakable": "breakable", "piecewise": "piecewise"}  # -> flag
 PREFILL_SHAPES = tuple((batch, tokens) for batch in (1, 4, 16)
                        for tokens in (16, 64, 256, 1024, 4096))
@@ -207,6 +214,31 @@ def offline_row(engine_args: dict, num_requests: int = NUM_REQUESTS, repeats: in
             "scaled": num_requests < NUM_REQUESTS}
 
 
+def graphs_rows(engine_args: dict) -> list[dict]:
+    """A row per depth of `LAYER_DIVISORS` (the model's `num_hidden_layers` divided): the
+    seconds `LLM(...)` took with the default graphs, and each graph runner's pool and
+    capture seconds (rank 0's)."""
+    overrides = engine_args.get("hf_overrides") or {}
+    config = resolve_model(engine_args["model"], dummy_weights=True,
+                           hf_overrides=overrides).config
+    rows = []
+    for divisor in LAYER_DIVISORS:
+        layers = max(1, config.num_hidden_layers // divisor)
+        args = {**engine_args, "hf_overrides": {**overrides, "num_hidden_layers": layers}}
+        graphs, startup = on_engine(graph_facts, **args)
+        rows.append({"part": GRAPHS_PART, "layers": layers, "startup_s": startup, **graphs})
+    return rows
+
+
+def graph_facts(llm: LLM) -> dict:
+    """`{kind}_pool_gib` and `{kind}_capture_s` of each of the engine's graph runners."""
+    facts = {}
+    for runner in llm.engine.runner.graph_runners:
+        facts[f"{runner.kind}_pool_gib"] = runner.pool_bytes / 2**30
+        facts[f"{runner.kind}_capture_s"] = runner.capture_seconds
+    return facts
+
+
 def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float | None,
                   offline_requests: int = NUM_REQUESTS, repeats: int = 1,
                   floors: Floors = WEIGHT_FLOOR) -> list[dict]:
@@ -221,13 +253,15 @@ def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float 
         rows += decode_rows(args, hbm_gbs=hbm_gbs, floors=floors)
     if "offline" in parts:
         rows.append(offline_row(args, offline_requests, repeats))
+    if GRAPHS_PART in parts:
+        rows += graphs_rows(args)
     config = EngineConfig(**args)
     facts = {"config": name, "model": config.model, "tp": config.tensor_parallel_size,
              "expert_parallel": config.enable_expert_parallel,
              "ep_dispatch": config.ep_dispatch if config.enable_expert_parallel else None,
              "torch_symm_mem": config.enable_torch_symm_mem,
              "decode_graph": config.decode_graph, "device": device_name(config),
-             "torch": torch.__version__}
+             "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     return [{**facts, **row} for row in rows]
 
 
@@ -252,8 +286,9 @@ def bench_main(name: str, doc: str, setups: Mapping[str, Setup],
     parser.add_argument("--configs", nargs="+", choices=list(setups),
                         help="default: " + "; ".join(f"{' '.join(c)} with {n}+ GPUs"
                                                      for n, c in sorted(defaults.items())))
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
-                        help="what to measure (default: all)")
+    parser.add_argument("--parts", nargs="+", choices=ALL_PARTS, default=list(ALL_PARTS),
+                        help="what to measure (default: all; graphs only where a "
+                        "configuration has it)")
     parser.add_argument("--offline-requests", type=int, default=NUM_REQUESTS,
                         help="run only the first N requests of the offline workload "
                         f"(default: all {NUM_REQUESTS}; the row is marked scaled)")
@@ -332,6 +367,8 @@ def print_tables(rows: list[dict], floor: str = "floor") -> None:
     print_prefill_table(rows)
     print_decode_table(rows, floor)
     print_offline_table(rows)
+    if rows_of(rows, GRAPHS_PART):
+        print_graphs_table(rows)
 
 
 def print_prefill_table(rows: list[dict]) -> None:
@@ -369,6 +406,28 @@ def print_offline_table(rows: list[dict]) -> None:
                 [[r["config"], f"{r['requests']}{' (scaled)' if r['scaled'] else ''}",
                   r["output_tok_s"], r["tokens_per_s"], r["seconds"], r["startup_s"]]
                  for r in rows_of(rows, "offline")])
+
+
+def print_graphs_table(rows: list[dict]) -> None:
+    common.print_table("start-up and graph pools (default graphs, rank 0)",
+                ["config", "layers", "start-up s", "prefill pool GiB", "decode pool GiB",
+                 "prefill capture s", "decode capture s"],
+                [[r["config"], r["layers"], r["startup_s"],
+                  *[shown(r.get(f"{kind}_{fact}")) for fact in ("pool_gib", "capture_s")
+                    for kind in ("prefill", "decode")]]
+                 for r in rows_of(rows, GRAPHS_PART)])
+
+
+def pool_growth(rows: list[dict], config: str) -> float | None:
+    """Rank 0's graph pools (all runners) at the model's depth over those at a quarter of
+    it: 1 where the pool does not grow with the layers."""
+    graphs = [r for r in rows_of(rows, GRAPHS_PART) if r["config"] == config]
+    if len(graphs) < 2:
+        return None
+    deep, shallow = (sum(v for k, v in r.items() if k.endswith("_pool_gib"))
+                     for r in (max(graphs, key=lambda r: r["layers"]),
+                               min(graphs, key=lambda r: r["layers"])))
+    return ratio(deep, shallow)
 
 
 def print_target(label: str, got: float | None, target: str) -> None:

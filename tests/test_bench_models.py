@@ -88,6 +88,16 @@ def test_tp2_engines_are_measured_one_after_another(qwen3):
     assert decode[0]["floor_bytes"] < model_suite.decode_rows(qwen3, [1])[0]["floor_bytes"]
 
 
+def test_graphs_part_starts_the_model_at_its_depth_and_a_quarter_of_it(qwen3):
+    """On the CPU no graphs are captured: the rows carry the depth and start-up alone."""
+    args = {**qwen3, "hf_overrides": {"num_hidden_layers": 4}}
+    rows = model_suite.measure_setup("tp1", model_suite.Setup(args, model_suite.ALL_PARTS),
+                                     [model_suite.GRAPHS_PART], hbm_gbs=None)
+    assert [(r["part"], r["layers"]) for r in rows] == [("graphs", 4), ("graphs", 1)]
+    assert all(r["startup_s"] > 0 and not any(k.endswith("_pool_gib") for k in r)
+               for r in rows)
+
+
 def test_moe_floor_reads_top_k_of_the_experts(tmp_path_factory):
     """The tiny MoE has 2 sparse layers of 4 experts (gate/up 2x32x64, down 64x32, fp32),
     top-2: a token reads half of each layer's experts."""
@@ -149,6 +159,9 @@ def fake_rows(configs) -> list[dict]:
         rows.append({"config": config, "part": "offline", "requests": 256, "scaled": False,
                      "output_tok_s": 1000 / scale, "tokens_per_s": 2000 / scale,
                      "seconds": 1.0, "startup_s": 1.0})
+        rows += [{"config": config, "part": "graphs", "layers": layers, "startup_s": startup,
+                  "prefill_pool_gib": 0.5, "decode_pool_gib": pool}
+                 for layers, startup, pool in ((64, 8.0, 0.6), (16, 5.0, 0.5))]
     return rows
 
 
@@ -157,6 +170,8 @@ def fake_rows(configs) -> list[dict]:
     ("bench_moe", ["ep2-alltoall: moe_floor_ms / decode step at batch 1: 0.750"]),
     ("bench_hybrid", ["tp1: least eager / breakable at ≤ 256 tokens: 2.000",
                       "tp2: decode step at batch 1 / weight-read floor: 0.750"]),
+    ("bench_multi_gpu", ["qwen3-32b-tp4: graph pools at full depth / at a quarter: 1.100",
+                         "qwen3-235b-ep8-alltoall: start-up s, every graph captured: 8.000"]),
 ])
 def test_reports_print_the_targets(capsys, bench, expected):
     module = importlib.import_module(f"bench.{bench}")

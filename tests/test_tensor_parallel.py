@@ -17,9 +17,12 @@ from tests.split_runs import expert_shapes, split_runs, step_logits
 TOLERANCE = 1e-5
 
 # The runs of a case: tensor parallel; MoE also with whole experts per rank, both dispatches.
+# All-to-all with max_num_seqs 3: the prefill (26 tokens) exchanges counted rows, the decode
+# steps (3 and 1 tokens) fixed-size blocks.
 TENSOR_PARALLEL = ({},)
 MOE_MODES = TENSOR_PARALLEL + ({"enable_expert_parallel": True, "ep_dispatch": "allreduce"},
-                              {"enable_expert_parallel": True, "ep_dispatch": "alltoall"})
+                              {"enable_expert_parallel": True, "ep_dispatch": "alltoall",
+                               "max_num_seqs": 3})
 
 
 # id: (arch, tensor-parallel size, config overrides, load_format, modes)

@@ -8,7 +8,10 @@ every token. Expert parallel dispatch (`--ep-dispatch`):
 - 'allreduce': each rank computes its experts' part of every token, one all-reduce sums
   the parts (capturable in any CUDA graph);
 - 'alltoall': each rank sends its slice of the tokens only to the ranks holding their
-  experts and gathers the results (`bcg.layers.moe_alltoall`; a graph break).
+  experts and gathers the results (`bcg.layers.moe_alltoall`): steps of up to
+  `fixed_block_tokens` tokens (the engine's max_num_seqs: every decode step) in blocks
+  padded to a fixed size, capturable in any CUDA graph; larger ones, and all under
+  torch.compile, in sizes only the host knows, a graph break.
 Set it before the model is built (the engine does, from `EngineConfig`).
 """
 
@@ -23,6 +26,7 @@ DISPATCH_MODES = ("allreduce", "alltoall")
 class ExpertParallel:
     enabled: bool = False
     dispatch: str = "allreduce"
+    fixed_block_tokens: int = 0  # all-to-all steps up to this size exchange fixed-size blocks
 
 
 _current = ExpertParallel()
@@ -32,9 +36,10 @@ def expert_parallel() -> ExpertParallel:
     return _current
 
 
-def set_expert_parallel(enabled: bool, dispatch: str = "allreduce") -> None:
+def set_expert_parallel(enabled: bool, dispatch: str = "allreduce",
+                        fixed_block_tokens: int = 0) -> None:
     global _current
     if dispatch not in DISPATCH_MODES:
         raise ValueError(f"ep_dispatch must be one of {', '.join(DISPATCH_MODES)}, got "
                          f"{dispatch!r}")
-    _current = ExpertParallel(enabled, dispatch)
+    _current = ExpertParallel(enabled, dispatch, fixed_block_tokens)

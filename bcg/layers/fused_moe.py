@@ -49,6 +49,7 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         placement = expert_parallel()
         self.alltoall = placement.enabled and placement.dispatch == "alltoall" and self.tp.size > 1
+        self.fixed_block_tokens = placement.fixed_block_tokens
         if placement.enabled:
             self.first_expert, local_experts = self.tp.shard(num_experts, "num_experts")
             self.intermediate_start, local_intermediate = 0, intermediate_size

@@ -103,7 +103,8 @@ class ModelRunner:
             hash_triton_in_background()
         with startup_step(f"weights ({config.load_format})"):
             # Before the model is built: its layers take their experts and collectives as set.
-            set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch)
+            set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch,
+                                fixed_block_tokens=config.max_num_seqs)
             self._custom_all_reduce = use_torch_symm_mem(config.enable_torch_symm_mem,
                                                          self.dtype, self.device)
             self.model = load_model(source, self.dtype, self.device, config.seed)
