@@ -98,7 +98,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _skinny_linear_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
     num_rows,
