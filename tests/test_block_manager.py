@@ -151,3 +151,26 @@ def test_state_slots_come_with_the_first_blocks_and_go_with_them():
     assert first.state_slot == -1
     compute(manager, third, 1)
     assert third.state_slot == 0 and manager.state_slots.num_free == 0
+
+
+def test_a_cache_of_a_billion_blocks_is_made_on_first_use():
+    """A tiny model on a large GPU: 130 million blocks once took minutes to build."""
+    manager = BlockManager(10**9, BLOCK)
+    s = seq(list(range(9)))
+    compute(manager, s, 9)
+    assert list(s.block_table) == [0, 1, 2] and len(manager.blocks) == 3
+    assert manager.num_free_blocks == 10**9 - 3
+    manager.free(s)
+    assert manager.num_free_blocks == 10**9
+
+
+def test_untouched_blocks_go_before_freed_ones_whose_prefixes_stay_findable():
+    manager = BlockManager(4, BLOCK)
+    first = seq(list(range(8)), "a")
+    compute(manager, first, 8)
+    manager.free(first)
+    fresh = seq([50 + i for i in range(8)], "b")
+    compute(manager, fresh, 8)
+    assert list(fresh.block_table) == [2, 3]  # never used: taken before the freed 0 and 1
+    again = seq(list(range(8)) + [1], "c")
+    assert admit(manager, again) == 8 and list(again.block_table) == [0, 1]

@@ -375,7 +375,7 @@ def test_generated_tokens_count_only_outputs_that_added_one():
 
     steps = [[output("gen", [5], False), output("scored", [], True)],
              [output("gen", [5, 6], True)]]
-    blocks = SimpleNamespace(num_free_blocks=1, blocks=[0])
+    blocks = SimpleNamespace(num_free_blocks=1, num_blocks=1)
     engine = SimpleNamespace(
         step=lambda: steps.pop(0), stats=SimpleNamespace(prefill_tokens=0),
         scheduler=SimpleNamespace(running=[], waiting=[], block_manager=blocks),

@@ -5,6 +5,11 @@ under the hash of its tokens chained with the hash of the block before it, so eq
 mean equal prefixes. Freed blocks keep their hash and stay findable until a fresh block is
 needed and they are the least recently freed (LRU eviction).
 
+Blocks are made on first use: a small model on a large GPU has a cache of millions of blocks
+(a tiny test model on an H200: 130 million), far more than a run touches, and one object
+each would take minutes and gigabytes before the first step. Untouched blocks count as
+freed before any other, so they are handed out first, in id order.
+
 A hybrid model's sequences also hold a recurrent state slot: taken with their first blocks,
 released with them (finish, abort, preemption), so the scheduler handles both as one.
 """
@@ -33,13 +38,15 @@ class BlockManager:
         self.block_size = block_size
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_blocks = num_blocks
+        self.blocks: dict[int, Block] = {}  # block id -> block, for the blocks used so far
+        self.num_untouched = num_blocks  # the last ids, never handed out yet
+        self.free_blocks: OrderedDict[int, None] = OrderedDict()  # used ones, least recent first
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return self.num_untouched + len(self.free_blocks)
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -122,10 +129,15 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_fresh_block(self) -> int:
-        block_id, _ = self.free_blocks.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:
-            del self.cached_blocks[block.hash]
-            block.hash, block.token_ids = None, ()
+        if self.num_untouched:
+            block_id = self.num_blocks - self.num_untouched
+            self.num_untouched -= 1
+            block = self.blocks[block_id] = Block(block_id)
+        else:
+            block_id, _ = self.free_blocks.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                del self.cached_blocks[block.hash]
+                block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

@@ -245,7 +245,7 @@ class EngineLoop:
         snap = self.snapshot
         snap.num_running = len(scheduler.running)
         snap.num_waiting = len(scheduler.waiting)
-        snap.kv_cache_usage = 1 - blocks.num_free_blocks / len(blocks.blocks)
+        snap.kv_cache_usage = 1 - blocks.num_free_blocks / blocks.num_blocks
         snap.num_computed_prompt_tokens = self.engine.stats.prefill_tokens
         snap.forwards = dict(self.engine.runner.forward_counts)
 
