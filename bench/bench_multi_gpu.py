@@ -49,6 +49,6 @@ def full_depth_startup(rows: list[dict], config: str) -> float | None:
     return max(graphs, key=lambda r: r["layers"])["startup_s"] if graphs else None
 
 
-if __name__ == "__main__":  # the engines spawn their workers, which import this module
+if __name__ == "__main__":
     suite.bench_main("bench_multi_gpu", __doc__, SETUPS,
                      {4: ["qwen3-32b-tp4"], 8: list(SETUPS)}, report)
