@@ -15,7 +15,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
-from bcg.distributed import rank_loop
+from bcg.distributed import launcher, rank_loop
 from bcg.distributed.launcher import TensorParallelError, Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import TensorParallel
 from bcg.engine.llm import LLM
@@ -109,7 +109,7 @@ def test_serve_tp2_answers_the_openai_client(tmp_path):
 SERVE_WITH_A_FAILING_WORKER = """
 import sys
 from bcg.cli import main
-from bcg.distributed import rank_loop
+from bcg.distributed import launcher, rank_loop
 from tests import test_tp_engine
 
 rank_loop.spawned_worker_main = test_tp_engine.worker_failing_in_a_step
@@ -183,6 +183,16 @@ def test_a_worker_dying_before_the_group_forms_is_named(tmp_path, monkeypatch):
     assert time.monotonic() - start < FAILURE_SECONDS
 
 
+def test_a_worker_exiting_before_it_reads_its_arguments_is_named(tmp_path, monkeypatch):
+    """Whether rank 0's write of the arguments meets the closed pipe or the worker's end of
+    reports comes first, the error names the rank and its exit code."""
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(launcher, "WORKER_PROGRAM", "import os; os._exit(5)")
+    with pytest.raises(TensorParallelError,
+                       match=r"rank 1 failed to start: its process exited \(5\)"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+
+
 def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)
     monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_failing_in_a_step)
@@ -236,7 +246,7 @@ def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
 LAUNCHED_WORKER_FAILING = """
 import logging
 from bcg.config import EngineConfig
-from bcg.distributed import rank_loop
+from bcg.distributed import launcher, rank_loop
 
 def serve_steps(config):
     raise RuntimeError("injected failure")

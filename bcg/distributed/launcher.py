@@ -111,9 +111,9 @@ class Workers:
             rank_loop.join_group(config)
             return
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        self._spawn(config, init_method)
         try:
             with startup_step("tensor-parallel workers spawned"):
+                self._spawn(config, init_method)
                 self._wait_until_started()
             self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
                                              daemon=True)
@@ -126,17 +126,32 @@ class Workers:
             raise
 
     def _spawn(self, config: EngineConfig, init_method: str) -> None:
+        # rank 0's interpreter flags (-X, -W, -O...), as multiprocessing's spawn passes them
+        command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
+                   WORKER_PROGRAM]
         for rank in range(1, self.size):
             receiver, sender = Pipe(duplex=False)
-            process = subprocess.Popen([sys.executable, "-c", WORKER_PROGRAM],
-                                       stdin=subprocess.PIPE, pass_fds=(sender.fileno(),))
-            with process.stdin:  # far less than a pipe's buffer: written at once
-                pickle.dump(sys.path, process.stdin)
-                pickle.dump((rank_loop.spawned_worker_main, config, rank, init_method,
-                             sender.fileno()), process.stdin)
-            sender.close()  # the worker's end: end of file here once it exits
+            reports_fd = sender.fileno()  # the same number in the worker
+            try:
+                process = subprocess.Popen(command, stdin=subprocess.PIPE,
+                                           pass_fds=(reports_fd,))
+            except BaseException:
+                receiver.close()
+                raise
+            finally:
+                sender.close()  # the worker's end: end of file here once it exits
             self.processes.append(process)
             self._reports.append(receiver)
+            try:
+                with process.stdin:  # far less than a pipe's buffer: written at once
+                    pickle.dump(sys.path, process.stdin)
+                    pickle.dump((rank_loop.spawned_worker_main, config, rank, init_method,
+                                 reports_fd), process.stdin)
+            except OSError:  # it ended before reading them
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} failed to start: its process exited "
+                    f"({_exit_code(process, 5)}) before it read its arguments; its output "
+                    "above says why") from None
 
     def _each_worker(self) -> Iterator[tuple[int, subprocess.Popen, Connection]]:
         for index, process in enumerate(self.processes):
@@ -256,6 +271,8 @@ class Workers:
             _end(process, JOIN_SECONDS if in_step else 0)
         if self._watcher is not None:
             self._watcher.join(JOIN_SECONDS)
+        for reports in self._reports:
+            reports.close()
         if self.size > 1:
             torch.set_num_threads(self._num_threads)  # the caller's own again
 

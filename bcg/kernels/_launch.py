@@ -11,6 +11,7 @@ from typing import Generic, TypeVar
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from bcg.graph import CaptureNeedsWarmUp
 
@@ -86,8 +87,8 @@ def kernel_params(kernel: object) -> list[tuple[str, bool, bool]]:
     interpreted (on the CPU): the launcher's rules are checked under the interpreter too."""
     if isinstance(kernel, triton.runtime.JITFunction):
         return [(p.name, p.is_constexpr, p.do_not_specialize) for p in kernel.params]
-    if not hasattr(kernel, "fn"):  # not a Triton kernel: launched as it is
-        return []
+    if not isinstance(kernel, InterpretedFunction):
+        return []  # not a plain Triton kernel (autotuned, or a test's stand-in): as it is
     unspecialized = kernel.kwargs.get("do_not_specialize") or ()
     return [(name, "constexpr" in str(param.annotation),
              name in unspecialized or num in unspecialized)
@@ -169,7 +170,7 @@ class CachedLauncher:
         self.slow_launches += 1
         if _triton_hashing is not None:
             _triton_hashing.join()
-        if list(constexprs) != self.constexpr_names:
+        if self.constexpr_names and list(constexprs) != self.constexpr_names:
             raise TypeError(
                 f"{self.kernel}: pass constexprs in signature order {self.constexpr_names}"
             )

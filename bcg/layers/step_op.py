@@ -18,6 +18,7 @@ engines without piecewise graphs, and every tensor-parallel worker of one, never
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -28,18 +29,20 @@ StepBody = Callable[..., None]
 
 _edge_makers: list[Callable[[], None]] = []  # one per op, run by prepare_for_compile
 _compile_ready = False  # once prepared, later ops get their edge at once
+_preparing = threading.Lock()  # no op may be seen as ready before its edge exists
 
 
 def step_op(body: StepBody) -> StepBody:
     as_break = eager_on_graph(body)
     outside_compile: StepBody | None = None
+    unprepared = (f"{body.__qualname__} is traced by torch.compile before its edge exists: call "
+                  "bcg.layers.step_op.prepare_for_compile() before compiling a stack")
 
     def call(*args) -> None:
         if torch.compiler.is_compiling():
             if outside_compile is None:
-                raise RuntimeError(f"{body.__qualname__} is traced by torch.compile before its "
-                                   "edge exists: call bcg.layers.step_op.prepare_for_compile() "
-                                   "before compiling a stack")
+                # without fullgraph Dynamo breaks the graph here and traces `body` whole
+                raise RuntimeError(unprepared)
             outside_compile(*args)
         elif is_in_breakable_cuda_graph():
             as_break(*args)
@@ -55,16 +58,20 @@ def step_op(body: StepBody) -> StepBody:
 
         outside_compile = run_outside
 
-    _edge_makers.append(make_edge)
-    if _compile_ready:
-        make_edge()
+    with _preparing:
+        _edge_makers.append(make_edge)
+        if _compile_ready:
+            make_edge()
     return call
 
 
 def prepare_for_compile() -> None:
-    """Give every step op its compiled region's edge (once per process)."""
+    """Give every step op its compiled region's edge (once per process). Code that compiles
+    a stack calls it first: an op traced before it has no edge, and Dynamo then traces its
+    body into the compiled region."""
     global _compile_ready
-    if not _compile_ready:
-        _compile_ready = True
-        for make_edge in _edge_makers:
-            make_edge()
+    with _preparing:
+        if not _compile_ready:
+            for make_edge in _edge_makers:
+                make_edge()
+            _compile_ready = True
