@@ -418,15 +418,21 @@ def print_graphs_table(rows: list[dict]) -> None:
                  for r in rows_of(rows, GRAPHS_PART)])
 
 
+def deepest_and_shallowest(rows: list[dict], config: str) -> tuple[dict, dict] | None:
+    """`config`'s graphs rows at its largest and smallest depth, if it has any."""
+    graphs = [r for r in rows_of(rows, GRAPHS_PART) if r["config"] == config]
+    if not graphs:
+        return None
+    return max(graphs, key=lambda r: r["layers"]), min(graphs, key=lambda r: r["layers"])
+
+
 def pool_growth(rows: list[dict], config: str) -> float | None:
     """Rank 0's graph pools (all runners) at the model's depth over those at a quarter of
     it: 1 where the pool does not grow with the layers."""
-    graphs = [r for r in rows_of(rows, GRAPHS_PART) if r["config"] == config]
-    if len(graphs) < 2:
+    depths = deepest_and_shallowest(rows, config)
+    if depths is None or depths[0] is depths[1]:
         return None
-    deep, shallow = (sum(v for k, v in r.items() if k.endswith("_pool_gib"))
-                     for r in (max(graphs, key=lambda r: r["layers"]),
-                               min(graphs, key=lambda r: r["layers"])))
+    deep, shallow = (sum(v for k, v in r.items() if k.endswith("_pool_gib")) for r in depths)
     return ratio(deep, shallow)
 
 

@@ -3,6 +3,8 @@
 # Usage: scripts/gpu_check.sh [step ...]   steps: tests bench_graph bench_buffers ... (default: all);
 # a quoted step may carry arguments: scripts/gpu_check.sh "bench_offline --models qwen3-0.6b",
 # and "tests models_hf sampling" runs only the test files whose names contain those words.
+# With several GPUs visible the test files run in parallel lanes, one GPU each
+# (GPU_CHECK_LANES=N sets the count), and the several-GPU files after them on every GPU.
 # Wheels missing on that machine travel in .whl/ (carry it) and are installed to /tmp/site,
 # which later calls on the same (warm) machine reuse without carrying them again.
 set -uo pipefail
@@ -27,6 +29,55 @@ log_dir="${OUT:-/tmp/gpu_check}"
 mkdir -p "$log_dir"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bench_graph bench_buffers bench_attention bench_prefill bench_decode)
+# Files whose tests need several GPUs at once: they run after the others, with every GPU.
+MULTI_GPU_FILES=" tests/test_multi_gpu.py tests/test_symm_mem.py "
+
+# One test file in its own process (a CUDA error is sticky and would fail every later test),
+# its output appended to $2; prints its summary line. Kernel tests run unmarked: on a GPU
+# they compile and launch the real kernels.
+test_file() {
+  local file=$1 log=$2 started=$SECONDS marker=(-m gpu)
+  [[ "$file" == tests/test_kernels_* ]] && marker=()
+  python3 -m pytest -q "${marker[@]}" -p no:cacheprovider --tb=short "$file" >"$log.one" 2>&1
+  cat "$log.one" >>"$log"
+  echo "$(basename "$file"): $(tail -n 1 "$log.one") [$((SECONDS - started)) s]"
+}
+
+# The given test files, one GPU each, in as many parallel lanes as GPUs are visible
+# (GPU_CHECK_LANES overrides), then the several-GPU files; every output goes to tests.log
+# and each file's summary line to stdout, in file order.
+run_tests() {
+  local single=() multi=() devices=() scratch lane file
+  for file in "$@"; do
+    if [[ "$MULTI_GPU_FILES" == *" $file "* ]]; then multi+=("$file"); else single+=("$file"); fi
+  done
+  local count
+  count=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    IFS=, read -ra devices <<<"$CUDA_VISIBLE_DEVICES"
+  elif [ "$count" -gt 0 ]; then
+    mapfile -t devices < <(seq 0 $((count - 1)))
+  fi
+  local lanes=${GPU_CHECK_LANES:-${#devices[@]}}
+  [ "$lanes" -ge 1 ] || lanes=1
+  scratch=$(mktemp -d)
+  for ((lane = 0; lane < lanes; lane++)); do
+    (
+      [ ${#devices[@]} -gt 0 ] && export CUDA_VISIBLE_DEVICES=${devices[lane % ${#devices[@]}]}
+      for ((i = lane; i < ${#single[@]}; i += lanes)); do
+        printf '%05d %s\n' "$i" "$(test_file "${single[i]}" "$scratch/lane$lane.log")"
+      done >"$scratch/summary$lane"
+    ) &
+  done
+  wait
+  for file in "${multi[@]}"; do
+    printf '%05d %s\n' "$((${#single[@]} + ${#multi[@]}))" "$(test_file "$file" "$scratch/multi.log")"
+  done >"$scratch/summary_multi"
+  cat "$scratch"/lane*.log "$scratch"/multi.log >"$log_dir/tests.log" 2>/dev/null
+  sort -n "$scratch"/summary* | cut -d' ' -f2-
+  rm -rf "$scratch"
+}
+
 summary=()
 for step in "${steps[@]}"; do
   echo "=== $step"
@@ -35,25 +86,20 @@ for step in "${steps[@]}"; do
   args=()
   [ "$name" != "$step" ] && read -ra args <<<"${step#* }"
   if [ "$name" = tests ]; then
-    # One process per file: a CUDA error is sticky and would fail every later test.
-    : >"$log_dir/tests.log"
     # Files with gpu-marked tests (marks may come from shared helpers), and every kernel file.
     gpu_files=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null |
       grep -oE '^tests/test_[a-z0-9_]+\.py' | sort -u)
+    selected=()
     for file in $(printf '%s\n' $gpu_files tests/test_kernels_*.py | sort -u); do
       if [ ${#args[@]} -gt 0 ]; then
         wanted=0
         for word in "${args[@]}"; do [[ "$file" == *"$word"* ]] && wanted=1; done
         [ $wanted = 1 ] || continue
       fi
-      # Kernel tests run unmarked: on a GPU they compile and launch the real kernels.
-      marker=(-m gpu)
-      [[ "$file" == tests/test_kernels_* ]] && marker=()
-      started=$SECONDS
-      python3 -m pytest -q "${marker[@]}" -p no:cacheprovider --tb=short "$file" >"$log_dir/t.log" 2>&1
-      cat "$log_dir/t.log" >>"$log_dir/tests.log"
-      summary+=("$(basename "$file"): $(tail -n 1 "$log_dir/t.log") [$((SECONDS - started)) s]")
+      selected+=("$file")
     done
+    mapfile -t lines < <(run_tests "${selected[@]}")
+    summary+=("${lines[@]}")
     grep -hE "^(FAILED|ERROR)" "$log_dir/tests.log" | head -20
   else
     python3 "bench/$name.py" "${args[@]}" 2>&1 | tee "$log_dir/$name.log"
