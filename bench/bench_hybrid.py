@@ -49,5 +49,5 @@ def least_speedup(rows: list[dict], config: str, max_tokens: int) -> float | Non
     return min(speedups) if speedups and None not in speedups else None
 
 
-if __name__ == "__main__":  # the tp2 engines spawn a worker, which imports this module
+if __name__ == "__main__":
     suite.bench_main("bench_hybrid", __doc__, SETUPS, {1: ["tp1"], 2: ["tp1", "tp2"]}, report)

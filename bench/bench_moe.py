@@ -66,7 +66,7 @@ def report(rows: list[dict]) -> None:
                                suite.ratio(floor_ms, step_ms), "≥ 0.70")
 
 
-if __name__ == "__main__":  # two-GPU engines spawn a worker, which imports this module
+if __name__ == "__main__":
     suite.bench_main("bench_moe", __doc__, SETUPS,
                      {1: ["tp1"], 2: ["tp2", "ep2-allreduce", "ep2-alltoall"]}, report,
                      floors={"floor": decode_weight_bytes, "moe_floor": active_weight_bytes})

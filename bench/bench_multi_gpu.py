@@ -46,6 +46,6 @@ def report(rows: list[dict]) -> None:
                                f"≤ {STARTUP_TARGET_S:g}")
 
 
-if __name__ == "__main__":  # the engines spawn their workers, which import this module
+if __name__ == "__main__":
     suite.bench_main("bench_multi_gpu", __doc__, SETUPS,
                      {4: ["qwen3-32b-tp4"], 8: list(SETUPS)}, report)

@@ -9,8 +9,7 @@ the timed run (a run that generated any other number of tokens is an error); tok
 prompt + generated tokens over the same time. Start-up is the engine's construction
 (weights, graph capture, KV cache; `startup_steps` has the seconds of each part on rank 0,
 where waiting for other ranks shows in the parts with collectives); each engine first runs
-a short warm-up of the same
-prompt lengths (not timed: see `timed_run`), then `--repeats` timed runs of the workload's
+a short warm-up of the same prompt lengths (not timed: see `timed_run`), then `--repeats` timed runs of the workload's
 lengths, and the row is the median run. Transformers `generate` runs the requests in batches
 of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
 request asked for are counted). Transformers continuous batching runs the manager behind

@@ -37,5 +37,5 @@ def report(rows: list[dict]) -> None:
             rows, config, "tp1", "offline", "output_tok_s"), "≥ 1.5")
 
 
-if __name__ == "__main__":  # the tp2 engine spawns its worker, which imports this module
+if __name__ == "__main__":
     suite.bench_main("bench_tp", __doc__, SETUPS, {2: list(SETUPS)}, report, repeats=3)

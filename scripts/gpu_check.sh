@@ -51,12 +51,11 @@ run_tests() {
   for file in "$@"; do
     if [[ "$MULTI_GPU_FILES" == *" $file "* ]]; then multi+=("$file"); else single+=("$file"); fi
   done
-  local count
-  count=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     IFS=, read -ra devices <<<"$CUDA_VISIBLE_DEVICES"
-  elif [ "$count" -gt 0 ]; then
-    mapfile -t devices < <(seq 0 $((count - 1)))
+  else
+    mapfile -t devices < <(python3 -c 'import torch; print(*range(torch.cuda.device_count()))' |
+      tr ' ' '\n' | grep .)
   fi
   local lanes=${GPU_CHECK_LANES:-${#devices[@]}}
   [ "$lanes" -ge 1 ] || lanes=1
@@ -70,8 +69,8 @@ run_tests() {
     ) &
   done
   wait
-  for file in "${multi[@]}"; do
-    printf '%05d %s\n' "$((${#single[@]} + ${#multi[@]}))" "$(test_file "$file" "$scratch/multi.log")"
+  for ((i = 0; i < ${#multi[@]}; i++)); do
+    printf '%05d %s\n' "$((${#single[@]} + i))" "$(test_file "${multi[i]}" "$scratch/multi.log")"
   done >"$scratch/summary_multi"
   cat "$scratch"/lane*.log "$scratch"/multi.log >"$log_dir/tests.log" 2>/dev/null
   sort -n "$scratch"/summary* | cut -d' ' -f2-

@@ -9,6 +9,8 @@ import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 import triton.runtime.cache
 from torch import nn
 
@@ -210,6 +212,22 @@ def test_relu_squared_matches_layer_in_place(num_tokens: int, width: int) -> Non
     out = activation.relu_squared(x, out=x)
     assert out is x
     assert relative_error(out, expected) <= TOLERANCE
+
+
+@triton.jit
+def _fill_kernel(out_ptr, value, SIZE: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, SIZE), value)
+
+
+def test_the_launchers_rules_hold_under_the_interpreter_too() -> None:
+    """An integer runtime argument must be do_not_specialize, and constexprs come in
+    signature order: checked on the CPU as on a GPU (a kernel that broke the first rule
+    once passed every CPU test and failed at its first launch on a GPU)."""
+    out = torch.zeros(4, device=DEVICE)
+    with pytest.raises(TypeError, match="integer argument 1 must be a constexpr or listed"):
+        CachedLauncher(_fill_kernel)((1,), (out,), (7,), {"SIZE": 4})
+    CachedLauncher(_fill_kernel)((1,), (out,), (7.0,), {"SIZE": 4})  # a float specialises not
+    assert out.tolist() == [7.0] * 4
 
 
 @pytest.mark.gpu

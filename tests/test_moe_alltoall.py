@@ -15,6 +15,7 @@ from bcg.forward import set_forward_context
 from bcg.layers import moe_alltoall
 from bcg.layers.fused_moe import FusedMoE, select_experts
 from bcg.layers.moe_ref import fused_experts_ref
+from bcg.layers.step_op import prepare_for_compile
 from bcg.utils import free_port
 from tests.numerics import relative_error
 
@@ -87,6 +88,7 @@ def check_traced_steps_take_the_counted_exchange(layer: FusedMoE, gate_up: torch
     try:
         hidden = torch.randn(3, HIDDEN)  # within the fixed exchange's size
         weights, ids = routing(3, skewed=False)
+        prepare_for_compile()
         compiled = torch.compile(moe_alltoall.alltoall_experts, backend="eager", fullgraph=False)
         with set_forward_context(SimpleNamespace(batch=SimpleNamespace(num_tokens=3))):
             out = compiled(layer, hidden, weights, ids)

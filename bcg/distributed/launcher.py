@@ -1,22 +1,28 @@
 """Rank 0's side of tensor parallelism: size checks, launching the worker processes (their
 own loop is `rank_loop`), naming a failed worker, and ending every rank.
 
-Unless torchrun started every rank, rank 0 spawns ranks 1..N-1 on this host and
-waits for each to report that it started (an early death, such as a script that spawns
-without an `if __name__ == "__main__":` guard, is an error at once, not a hang). A thread
-then watches the workers: one that raises reports its exception and exits, so rank 0's
-collective with it fails within moments (gloo sees the closed connection; on GPUs the NCCL
-group is aborted), and rank 0 raises an error naming that rank and its exception.
+Unless torchrun started every rank, rank 0 starts ranks 1..N-1 on this host as fresh
+Python processes that import bcg's runner and nothing of the caller's: not its script, as
+multiprocessing's spawn would (the benches' scripts took seconds to import, and a script
+without an `if __name__ == "__main__":` guard built a second engine in every worker). Rank
+0 waits for each to report that it started (an early death is an error at once, not a
+hang). A thread then watches the workers: one that raises reports its exception and exits,
+so rank 0's collective with it fails within moments (gloo sees the closed connection; on
+GPUs the NCCL group is aborted), and rank 0 raises an error naming that rank and its
+exception.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,6 +51,10 @@ T = TypeVar("T")
 FAILURE_REPORT_SECONDS = 3.0  # how long a failed collective waits for a worker's report
 ABORT_AFTER_SECONDS = 2.0  # a failed worker's NCCL peers are aborted after this
 JOIN_SECONDS = 30.0  # a worker's clean exit at shutdown (it frees its GPU)
+# A worker's program: the caller's import path, then its entry point and arguments on stdin.
+WORKER_PROGRAM = ("import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
+                  "from bcg.distributed.rank_loop import run_started_worker; "
+                  "run_started_worker(sys.stdin.buffer)")
 
 
 class TensorParallelError(RuntimeError):
@@ -79,7 +89,7 @@ class Workers:
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
         self.spawned = self.size > 1 and launched_rank() is None
-        self.processes: list[multiprocessing.Process] = []
+        self.processes: list[subprocess.Popen] = []
         self.runner: ModelRunner | None = None  # rank 0's, once built: closed before the group
         self.failure: tuple[int, str] | None = None  # the first worker that failed
         self.broken: str | None = None  # why the ranks can no longer step together
@@ -101,9 +111,9 @@ class Workers:
             rank_loop.join_group(config)
             return
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        self._spawn(config, init_method)
         try:
             with startup_step("tensor-parallel workers spawned"):
+                self._spawn(config, init_method)
                 self._wait_until_started()
             self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
                                              daemon=True)
@@ -116,47 +126,60 @@ class Workers:
             raise
 
     def _spawn(self, config: EngineConfig, init_method: str) -> None:
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        # rank 0's interpreter flags (-X, -W, -O...), as multiprocessing's spawn passes them
+        command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
+                   WORKER_PROGRAM]
         for rank in range(1, self.size):
-            receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(
-                target=rank_loop.spawned_worker_main, args=(config, rank, init_method, sender),
-                name=f"bcg-tp-rank{rank}", daemon=True)
-            process.start()
-            sender.close()  # the worker's end: EOF here once it exits
+            receiver, sender = Pipe(duplex=False)
+            reports_fd = sender.fileno()  # the same number in the worker
+            try:
+                process = subprocess.Popen(command, stdin=subprocess.PIPE,
+                                           pass_fds=(reports_fd,))
+            except BaseException:
+                receiver.close()
+                raise
+            finally:
+                sender.close()  # the worker's end: end of file here once it exits
             self.processes.append(process)
             self._reports.append(receiver)
+            try:
+                with process.stdin:  # far less than a pipe's buffer: written at once
+                    pickle.dump(sys.path, process.stdin)
+                    pickle.dump((rank_loop.spawned_worker_main, config, rank, init_method,
+                                 reports_fd), process.stdin)
+            except OSError:  # it ended before reading them
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} failed to start: its process exited "
+                    f"({_exit_code(process, 5)}) before it read its arguments; its output "
+                    "above says why") from None
 
-    def _each_worker(self) -> Iterator[tuple[int, multiprocessing.Process, Connection]]:
+    def _each_worker(self) -> Iterator[tuple[int, subprocess.Popen, Connection]]:
         for index, process in enumerate(self.processes):
             yield index + 1, process, self._reports[index]
 
     def _wait_until_started(self) -> None:
         for rank, process, reports in self._each_worker():
-            wait([reports, process.sentinel])
             message = _receive(reports)
             if message is None or message[0] != "started":
-                process.join(5)
-                detail = message[1] if message else _exited_before_start(process.exitcode)
+                detail = message[1] if message else (
+                    f"its process exited ({_exit_code(process, 5)}) before it started; its "
+                    "output above says why")
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
     def _watch(self) -> None:
-        """Wait for the first worker to report an error or exit; record it (and on GPUs abort
-        the group, so that rank 0 does not wait in a collective forever)."""
-        ranks = {}
-        for rank, process, reports in self._each_worker():
-            ranks[reports] = ranks[process.sentinel] = rank
+        """Wait for the first worker to report an error or exit (its reports' end of file);
+        record it (and on GPUs abort the group, so that rank 0 does not wait in a
+        collective forever)."""
+        ranks = {reports: rank for rank, _, reports in self._each_worker()}
         while ranks and not self._closing:
             for ready in wait(list(ranks)):
                 rank = ranks.pop(ready)
-                process, reports = self.processes[rank - 1], self._reports[rank - 1]
-                message = _receive(reports) if reports.poll() else None
+                message = _receive(ready)
                 if message is not None and message[0] == "failed":
                     self._record(rank, message[1])
-                elif ready is process.sentinel and not self._closing:
-                    process.join(1)  # reap it: its exit code is unknown until then
-                    self._record(rank, f"its process exited with code {process.exitcode}")
-                # else the reports' end of file: the sentinel follows
+                elif not self._closing:
+                    code = _exit_code(self.processes[rank - 1], 1)
+                    self._record(rank, f"its process exited with code {code}")
 
     def _record(self, rank: int, message: str) -> None:
         if self.failure is not None:
@@ -245,17 +268,11 @@ class Workers:
                 self._abort_group()
             destroy_tensor_parallel()
         for process in self.processes:
-            process.join(JOIN_SECONDS if in_step else 0)
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            _end(process, JOIN_SECONDS if in_step else 0)
         if self._watcher is not None:
-            # It may have reaped a worker that close() waited on: once it is done, every
-            # process's exit code is recorded (is_alive is then exact).
             self._watcher.join(JOIN_SECONDS)
+        for reports in self._reports:
+            reports.close()
         if self.size > 1:
             torch.set_num_threads(self._num_threads)  # the caller's own again
 
@@ -267,9 +284,18 @@ def _receive(reports: Connection) -> tuple[str, str] | None:
         return None
 
 
-def _exited_before_start(exit_code: int | None) -> str:
-    """Why a spawned worker may have ended before it could report: most often a script that
-    builds its LLM at import, which the worker (importing the script) then does too."""
-    return (f"its process exited ({exit_code}) before it started; its output above says why. "
-            "If your script builds the LLM at its top level, move that under "
-            "`if __name__ == \"__main__\":` (each worker is spawned and imports the script)")
+def _exit_code(process: subprocess.Popen, seconds: float) -> int | None:
+    """The exit code of a worker whose reports ended: it exits within moments."""
+    try:
+        return process.wait(seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _end(process: subprocess.Popen, seconds: float) -> None:
+    """Wait `seconds` for a worker to exit, then terminate it, then kill it."""
+    if _exit_code(process, seconds) is None:
+        process.terminate()
+        if _exit_code(process, 5) is None:
+            process.kill()
+            process.wait()

@@ -1,9 +1,10 @@
 """The loop of a tensor-parallel worker (ranks 1..N-1): build the same runner as rank 0 on
 this rank's device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
 
-Rank 0 launches the workers itself (`launcher`; here `spawned_worker_main`: one host,
-devices 0..N-1, start and failure reported through a pipe), or torchrun starts every rank
-(`launched_worker_main`, env-style initialisation, on cuda:LOCAL_RANK).
+Rank 0 launches the workers itself (`launcher`; here `run_started_worker` and
+`spawned_worker_main`: one host, devices 0..N-1, start and failure reported through a
+pipe), or torchrun starts every rank (`launched_worker_main`, env-style initialisation, on
+cuda:LOCAL_RANK).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
 import torch
 
@@ -90,6 +92,15 @@ def launched_worker_main(config: EngineConfig) -> NoReturn:
         logging.shutdown()
         os._exit(1)  # not SystemExit: nothing of the caller's may run on a broken rank
     raise SystemExit(0)
+
+
+def run_started_worker(stream: BinaryIO) -> None:
+    """The program of a worker rank 0 started (`launcher.WORKER_PROGRAM`): read its entry
+    point (`spawned_worker_main`, unless a test swapped it) and arguments, and run it with
+    its reports' pipe."""
+    entry, config, rank, init_method, reports_fd = pickle.load(stream)
+    os.set_inheritable(reports_fd, False)  # processes this one starts must not hold it open
+    entry(config, rank, init_method, Connection(reports_fd, readable=False))
 
 
 def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import threading
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Generic, TypeVar
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from bcg.graph import CaptureNeedsWarmUp
 
@@ -80,6 +82,19 @@ def hash_triton_in_background() -> None:
         _triton_hashing.start()
 
 
+def kernel_params(kernel: object) -> list[tuple[str, bool, bool]]:
+    """(name, constexpr, do_not_specialize) of each parameter of a Triton kernel, compiled or
+    interpreted (on the CPU): the launcher's rules are checked under the interpreter too."""
+    if isinstance(kernel, triton.runtime.JITFunction):
+        return [(p.name, p.is_constexpr, p.do_not_specialize) for p in kernel.params]
+    if not isinstance(kernel, InterpretedFunction):
+        return []  # not a plain Triton kernel (autotuned, or a test's stand-in): as it is
+    unspecialized = kernel.kwargs.get("do_not_specialize") or ()
+    return [(name, "constexpr" in str(param.annotation),
+             name in unspecialized or num in unspecialized)
+            for num, (name, param) in enumerate(inspect.signature(kernel.fn).parameters.items())]
+
+
 class CachedLauncher:
     """Launches one Triton kernel through its compiled launcher, skipping ``JITFunction.run``.
 
@@ -102,11 +117,11 @@ class CachedLauncher:
         self.compiled: dict[tuple, object] = {}
         self.slow_launches = 0
         self.compiles = isinstance(kernel, triton.runtime.JITFunction)
-        params = kernel.params if self.compiles else []
-        self.constexpr_names = [p.name for p in params if p.is_constexpr]
-        self.unspecialized = {p.num for p in params if p.do_not_specialize}
+        params = kernel_params(kernel)
+        self.constexpr_names = [name for name, constexpr, _ in params if constexpr]
+        self.unspecialized = {num for num, (_, _, free) in enumerate(params) if free}
         first_constexpr = len(params) - len(self.constexpr_names)
-        if any(p.is_constexpr for p in params[:first_constexpr]):
+        if any(constexpr for _, constexpr, _ in params[:first_constexpr]):
             raise TypeError(f"{kernel}: constexpr parameters must come after all others")
 
     def __call__(
@@ -155,14 +170,14 @@ class CachedLauncher:
         self.slow_launches += 1
         if _triton_hashing is not None:
             _triton_hashing.join()
-        if self.compiles and list(constexprs) != self.constexpr_names:
+        if self.constexpr_names and list(constexprs) != self.constexpr_names:
             raise TypeError(
                 f"{self.kernel}: pass constexprs in signature order {self.constexpr_names}"
             )
         args = (*tensors, *scalars)
         for index, arg in enumerate(args):
             is_int = isinstance(arg, int) and not isinstance(arg, bool)
-            if self.compiles and is_int and index not in self.unspecialized:
+            if is_int and index not in self.unspecialized:
                 raise TypeError(
                     f"{self.kernel}: integer argument {index} must be a constexpr or listed in "
                     "do_not_specialize to be launched through CachedLauncher"

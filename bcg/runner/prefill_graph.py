@@ -13,6 +13,7 @@ import torch
 from bcg.config import EngineConfig, parse_sizes
 from bcg.forward import ForwardBatch, ForwardContext
 from bcg.graph import GraphBufferRegistry, GraphSlot, PaddingPolicy
+from bcg.layers.step_op import prepare_for_compile
 from bcg.runner.batch import SyntheticSequence, build_batch
 from bcg.runner.buckets import PREFILL_TOKENS, ladder
 from bcg.runner.graph_runner import CapturedStack, GraphRunner, StackSpec, graph_mode
@@ -45,6 +46,7 @@ class PrefillGraphRunner(GraphRunner):
         buckets = ladder(parse_sizes(config.prefill_graph_tokens), PREFILL_TOKENS,
                          config.max_num_batched_tokens)
         if mode == "piecewise":
+            prepare_for_compile()
             spec = dataclasses.replace(spec, stack=torch.compile(spec.stack, dynamic=True))
         return cls(spec, mode, buckets)
 
