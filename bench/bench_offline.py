@@ -8,19 +8,18 @@ is counted as nano-vllm counts it: the sum of the requests' max_tokens over the 
 the timed run (a run that generated any other number of tokens is an error); tok/s counts
 prompt + generated tokens over the same time. Start-up is the engine's construction
 (weights, graph capture, KV cache; `startup_steps` has the seconds of each part on rank 0,
-where waiting for other ranks shows in the parts with collectives); each engine first runs
-a short warm-up of the same prompt lengths (not timed: see `timed_run`), then `--repeats` timed runs of the workload's
-lengths, and the row is the median run. Transformers `generate` runs the requests in batches
-of `--hf-batch`, left-padded, each batch generating its longest output (only the tokens a
-request asked for are counted). Transformers continuous batching runs the manager behind
-`generate_batch` (paged KV cache, CUDA graphs on; flash attention if installed, else SDPA),
-each request with its own max_new_tokens (`generate_batch` takes one for all requests), after
-a warm-up like the engines'; one timed run. `--hf-requests N` gives the transformers modes
-only the first N requests, for a peer too slow to finish all of them in the time at hand
-(its row says how many it ran; rates stay comparable). A run of some modes keeps the other
-modes' earlier rows.
-Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
-"""
+where waiting for other ranks shows in the parts with collectives); each engine first runs a
+short warm-up of the same prompt lengths (not timed: see `timed_run`), then `--repeats`
+timed runs of the workload's lengths, and the row is the median run. Transformers `generate`
+runs the requests in batches of `--hf-batch`, left-padded, each batch generating its longest
+output (only the tokens a request asked for are counted). Transformers continuous batching
+runs the manager behind `generate_batch` (paged KV cache, CUDA graphs on; flash attention if
+installed, else SDPA), each request with its own max_new_tokens (`generate_batch` takes one
+for all requests), after a warm-up like the engines'; one timed run. `--hf-requests N` gives
+the transformers modes only the first N requests, for a peer too slow to finish all of them
+in the time at hand (its row says how many it ran; rates stay comparable). A run of some
+modes keeps the other modes' earlier rows. Run: python bench/bench_offline.py [--models
+qwen3-0.6b] [--modes eager ...] """
 
 from __future__ import annotations
 
