@@ -18,8 +18,9 @@ installed, else SDPA), each request with its own max_new_tokens (`generate_batch
 for all requests), after a warm-up like the engines'; one timed run. `--hf-requests N` gives
 the transformers modes only the first N requests, for a peer too slow to finish all of them
 in the time at hand (its row says how many it ran; rates stay comparable). A run of some
-modes keeps the other modes' earlier rows. Run: python bench/bench_offline.py [--models
-qwen3-0.6b] [--modes eager ...] """
+modes keeps the other modes' earlier rows.
+Run: python bench/bench_offline.py [--models qwen3-0.6b] [--modes eager ...]
+"""
 
 from __future__ import annotations
 
