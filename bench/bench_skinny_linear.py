@@ -1,7 +1,7 @@
 """Decode-sized linear layers (1 to 16 rows, bf16): cuBLAS (`F.linear`) against the skinny
 kernel (`bcg/kernels/skinny_linear.py`), on the projections of qwen3-0.6b, qwen3-8b at tp1
-and tp2, and qwen3-30b-a3b's attention. The MLP's down projection is timed as the engine
-runs it, SiLU-and-mul then the GEMM, against the kernel with the activation fused.
+and tp2, and qwen3-30b-a3b's attention. The MLP's gate/up projection is timed as the engine
+runs it, the GEMM then SiLU-and-mul, against the kernel with the activation fused.
 
 Each call is timed inside a CUDA graph of `CALLS` calls, cycling through copies of the
 weight that together exceed the L2 cache (each call reads its weight from HBM, as in a
@@ -51,7 +51,7 @@ MODELS = [("qwen3-0.6b", 1, True), ("qwen3-8b", 1, True), ("qwen3-8b", 2, True),
 
 def projections(preset: str, tp: int, dense_mlp: bool) -> dict[str, tuple[int, int, bool]]:
     """One rank's projections of `preset`: name -> (N, K, gated), the weight `[N, K]`; a
-    gated one takes `[rows, 2K]` (SiLU-and-mul first). KV heads are replicated below tp."""
+    gated one's output halves go through SiLU-and-mul. KV heads are replicated below tp."""
     c = PRESETS[preset]
     hidden, head_dim = c["hidden_size"], c["head_dim"]
     q_width = c["num_attention_heads"] * head_dim // tp
@@ -59,8 +59,8 @@ def projections(preset: str, tp: int, dense_mlp: bool) -> dict[str, tuple[int, i
     shapes = {"qkv": (q_width + 2 * kv_width, hidden, False), "o": (hidden, q_width, False)}
     if dense_mlp:
         intermediate = c["intermediate_size"] // tp
-        shapes.update(gate_up=(2 * intermediate, hidden, False),
-                      down=(hidden, intermediate, True))
+        shapes.update(gate_up=(2 * intermediate, hidden, True),
+                      down=(hidden, intermediate, False))
     return shapes
 
 
@@ -94,9 +94,15 @@ def cycled(call, weights: list[torch.Tensor]) -> list:
     return [functools.partial(call, weights[i % len(weights)]) for i in range(CALLS)]
 
 
+def cublas(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The engine's path without the kernel."""
+    out = F.linear(x, weight)
+    return silu_and_mul(out) if gated else out
+
+
 def cublas_calls(x: torch.Tensor, weights: list[torch.Tensor], gated: bool) -> list:
     def call(weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(x) if gated else x, weight)
+        return cublas(x, weight, gated)
 
     return cycled(call, weights)
 
@@ -112,7 +118,7 @@ def skinny_calls(x: torch.Tensor, weights: list[torch.Tensor], gated: bool,
 def check(x: torch.Tensor, weight: torch.Tensor, gated: bool, config: SkinnyConfig) -> None:
     """The kernel's output against cuBLAS's (bf16 rounding apart)."""
     ours = skinny_linear(x, weight, gated=gated, config=config).float()
-    theirs = F.linear(silu_and_mul(x) if gated else x, weight).float()
+    theirs = cublas(x, weight, gated).float()
     error = ((ours - theirs).norm() / theirs.norm()).item()
     if error > 2e-2:
         raise AssertionError(f"skinny_linear is {error:.2e} from cuBLAS with {config}")
@@ -123,7 +129,7 @@ def measure(model: str, proj: str, rows: int, hbm_gbs: float, tune: bool) -> dic
     weight_bytes = n * k * DTYPE.itemsize
     copies = max(1, -(-2 * L2_BYTES // weight_bytes))
     weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") * k**-0.5 for _ in range(copies)]
-    x = torch.randn(rows, 2 * k if gated else k, dtype=DTYPE, device="cuda")
+    x = torch.randn(rows, k, dtype=DTYPE, device="cuda")
     cublas_us = graph_us(cublas_calls(x, weights, gated))
     timings = []
     for config in TUNE_GRID if tune else [CONFIGS.gpu]:

@@ -1,5 +1,5 @@
 """The skinny linear kernel (decode-sized rows) against PyTorch: plain, with bias, with
-SiLU-and-mul fused on its input, on shapes whose N and K do and do not divide its tiles, a
+SiLU-and-mul fused on its output, on shapes whose N and K do and do not divide its tiles, a
 strided input and a row count of zero; bad arguments are refused with their shapes."""
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ def rand(*shape: int, generator: torch.Generator) -> torch.Tensor:
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               gated: bool) -> torch.Tensor:
-    x = x.float()
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     if gated:
-        gate, up = x.chunk(2, dim=-1)
-        x = (F.silu(gate) * up).to(DTYPE).float()  # rounded as the activation's output is
-    return F.linear(x, weight.float(), None if bias is None else bias.float())
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu-and-mul"])
@@ -37,9 +37,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 @pytest.mark.parametrize("rows", ROWS)
 def test_it_matches_pytorch(rows, n, k, with_bias, gated):
     generator = torch.Generator().manual_seed(rows * 7 + n + k)
-    x = rand(rows, 2 * k if gated else k, generator=generator)
-    weight = rand(n, k, generator=generator)
-    bias = rand(n, generator=generator) if with_bias else None
+    x = rand(rows, k, generator=generator)
+    weight = rand(2 * n if gated else n, k, generator=generator)
+    bias = rand(weight.shape[0], generator=generator) if with_bias else None
     out = skinny.skinny_linear(x, weight, bias, gated=gated)
     assert out.shape == (rows, n) and out.dtype == DTYPE
     assert relative_error(out, reference(x, weight, bias, gated)) <= TOLERANCE
@@ -62,19 +62,22 @@ def test_no_rows_launch_nothing():
     assert skinny.skinny_linear(weight[:0], weight).shape == (0, n)
 
 
-@pytest.mark.parametrize("rows, width, dtype, message", [
-    (skinny.MAX_ROWS + 1, 48, DTYPE, "at most 16 rows"),
-    (2, 47, DTYPE, "K columns"),
-    (2, 48, torch.float16 if DTYPE != torch.float16 else torch.bfloat16, "weight's dtype"),
+@pytest.mark.parametrize("rows, width, dtype, weight_rows, message", [
+    (skinny.MAX_ROWS + 1, 48, DTYPE, 32, "at most 16 rows"),
+    (2, 47, DTYPE, 32, "K columns"),
+    (2, 48, torch.float16 if DTYPE != torch.float16 else torch.bfloat16, 32, "weight's dtype"),
+    (2, 48, DTYPE, 33, r"\[2N, K\] if gated"),
 ])
-def test_bad_arguments_are_refused(rows, width, dtype, message):
-    weight = torch.zeros(32, 48, dtype=DTYPE, device=DEVICE)
+def test_bad_arguments_are_refused(rows, width, dtype, weight_rows, message):
+    weight = torch.zeros(weight_rows, 48, dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match=message):
-        skinny.skinny_linear(torch.zeros(rows, width, dtype=dtype, device=DEVICE), weight)
+        skinny.skinny_linear(torch.zeros(rows, width, dtype=dtype, device=DEVICE), weight,
+                             gated=True)
 
 
-def test_a_weight_fills_the_device_with_a_program_per_multiprocessor():
-    block_n = skinny.CONFIGS.for_device(ON_GPU).block_n
-    sms = skinny.multiprocessor_count(DEVICE)
-    assert skinny.fills_device(torch.empty(block_n * sms, 8, device=DEVICE))
-    assert not skinny.fills_device(torch.empty(block_n * (sms - 1), 8, device=DEVICE))
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_weight_fills_the_device_with_a_program_per_two_multiprocessors(gated):
+    columns = skinny.CONFIGS.for_device(ON_GPU).block_n * (2 if gated else 1)
+    half = -(-skinny.multiprocessor_count(DEVICE) // 2)
+    assert skinny.fills_device(torch.empty(columns * half, 8, device=DEVICE), gated)
+    assert not skinny.fills_device(torch.empty(columns * (half - 1), 8, device=DEVICE), gated)

@@ -1,6 +1,6 @@
 """The linear layers and the MLP through the skinny kernel (the interpreter on the CPU, fp32):
 a tiny Llama's logits with decode-sized steps on the kernel, SiLU-and-mul fused into the
-down projection, match those of PyTorch's matmuls. On CUDA the layers take the kernel for
+gate/up projection, match those of PyTorch's matmuls. On CUDA the layers take the kernel for
 steps of up to 16 rows in bf16 and fp16 (`triton_ops.uses_skinny_linear`)."""
 
 import torch
@@ -19,7 +19,8 @@ def test_decode_steps_on_the_kernel_give_pytorchs_logits(tmp_path, monkeypatch):
     expected, _ = step_logits(str(tmp_path))
     taken = []
 
-    def decode_sized(x: torch.Tensor, weight: torch.Tensor) -> bool:  # CUDA's rows rule
+    def decode_sized(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+        # CUDA's rows rule
         taken.append(x.shape[0] <= skinny.MAX_ROWS)
         return taken[-1]
 

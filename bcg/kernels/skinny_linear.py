@@ -1,14 +1,16 @@
 """Linear layers of decode-sized steps (at most `MAX_ROWS` rows): `x @ weight.T (+ bias)`
-in one launch, optionally with SiLU-and-mul fused on the input.
+in one launch, optionally with SiLU-and-mul fused on the output.
 
 With a few rows a linear layer only streams its weight, so its time is the weight's bytes
 over the memory bandwidth plus the cost of each launch. cuBLAS splits K for such shapes and
 sums the parts in a second kernel (on two H100s, qwen3-8b's o projection at tp2 takes 11.8
 µs plus a 1.7 µs reduction against 5.6 µs of weight reads). Here each program owns
 `block_n` output columns and reads the whole K for them: enough programs to fill the GPU for
-the projections of 1B-and-up models, one launch, no workspace. The MLP's down projection can
-take `[gate | up]` and apply SiLU-and-mul as it loads its input (`gated=True`), which saves
-the activation's own launch and its round trip through memory. The layers choose it in
+the projections of 1B-and-up models, one launch, no workspace. The MLP's gate/up projection
+can apply SiLU-and-mul to its two halves as it writes them (`gated=True`): a program owns the
+same columns of both, which saves the activation's own launch and a round trip through
+memory. (Fusing it into the down projection's input instead, recomputed by every program,
+ran 6-7x slower than cuBLAS on an H200.) The layers choose the kernel in
 `bcg.layers.triton_ops.uses_skinny_linear`.
 """
 
@@ -39,42 +41,48 @@ class SkinnyConfig:
     num_stages: int
 
 
-# GPU default: a first guess, to be replaced by `bench/bench_skinny_linear.py --tune`.
-CONFIGS = DeviceConfigs(gpu=SkinnyConfig(16, 256, 4, 4),
+# GPU default: the best of `bench/bench_skinny_linear.py --tune` on most of qwen3-8b's
+# projections (tp1 and tp2) on an H200.
+CONFIGS = DeviceConfigs(gpu=SkinnyConfig(32, 256, 4, 4),
                         interpreter=SkinnyConfig(16, 16, 1, 1))
 
 
-def fills_device(weight: torch.Tensor) -> bool:
-    """Whether `weight` has the output columns to give every multiprocessor a program:
-    fewer programs cannot stream the weight at full speed without splitting K."""
-    programs = cdiv(weight.shape[0], CONFIGS.for_device(weight.is_cuda).block_n)
-    return programs >= multiprocessor_count(weight.device)
+def fills_device(weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `weight` has the output columns to give half the multiprocessors a program
+    (a gated one reads two weight tiles per program): fewer programs cannot stream the
+    weight at full speed without splitting K. On an H200, 96 programs still beat cuBLAS
+    and 64 did not."""
+    columns = weight.shape[0] // (2 if gated else 1)
+    programs = cdiv(columns, CONFIGS.for_device(weight.is_cuda).block_n)
+    return 2 * programs >= multiprocessor_count(weight.device)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   gated: bool = False, out: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias`, or with `gated` `silu(gate) * up` of `x = [gate | up]` first
-    (computed in fp32 and rounded to `x`'s dtype, as `silu_and_mul` does).
+    """`x @ weight.T + bias`, or with `gated` `silu(gate) * up` of its two halves `[gate |
+    up]` (the activation on the fp32 sums, then rounded to `x`'s dtype).
 
     Args:
-        x: `[rows, K]` (`[rows, 2K]` if gated), rows <= MAX_ROWS, last dim contiguous.
-        weight: `[N, K]`, last dim contiguous, `x`'s dtype.
-        bias: `[N]` or None.
+        x: `[rows, K]`, rows <= MAX_ROWS, last dim contiguous.
+        weight: `[N, K]` (`[2N, K]`, the gate's rows then the up's, if gated), last dim
+            contiguous, `x`'s dtype.
+        bias: `[N]` (`[2N]` if gated) or None.
         out: `[rows, N]` (allocated if None).
         config: tiles and launch options (default: `CONFIGS` for the device).
 
     Returns `out`.
     """
     rows, width = x.shape
-    n, k = weight.shape
-    if rows > MAX_ROWS or width != (2 * k if gated else k) or x.dtype != weight.dtype:
+    weight_rows, k = weight.shape
+    if rows > MAX_ROWS or width != k or x.dtype != weight.dtype or (gated and weight_rows % 2):
         raise ValueError(
-            f"skinny_linear takes at most {MAX_ROWS} rows of {'2K' if gated else 'K'} "
-            f"columns in weight's dtype for a weight [N, K]; got x {tuple(x.shape)} "
-            f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+            f"skinny_linear takes at most {MAX_ROWS} rows of K columns in weight's dtype for a "
+            f"weight [N, K] ([2N, K] if gated); got x {tuple(x.shape)} {x.dtype}, weight "
+            f"{tuple(weight.shape)} {weight.dtype}")
+    if bias is not None and bias.shape != (weight_rows,):
+        raise ValueError(f"bias must be [{weight_rows}], got {tuple(bias.shape)}")
+    n = weight_rows // 2 if gated else weight_rows
     out = x.new_empty(rows, n) if out is None else out
     for name, tensor in (("x", x), ("weight", weight), ("out", out)):
         require_last_dim_contiguous(name, tensor)
@@ -121,25 +129,33 @@ def _skinny_linear_kernel(
     row_mask = rows < num_rows
     col_mask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half's, if gated
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x_mask = row_mask[:, None] & (ks < K)[None, :]  # a few rows: masks cost nothing
-        x_ptrs = x_ptr + rows[:, None] * STRIDE_X + ks[None, :]
-        a = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATED:
-            gate = a.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            a = (gate * tl.sigmoid(gate) * up).to(w_ptr.dtype.element_ty)
+        a = tl.load(x_ptr + rows[:, None] * STRIDE_X + ks[None, :], mask=x_mask, other=0.0)
         w_ptrs = w_ptr + cols[:, None] * STRIDE_W + ks[None, :]
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        w_mask = col_mask[:, None] & (ks < K)[None, :]
+        acc = tl.dot(a, tl.trans(_load_tile(w_ptrs, w_mask, EVEN_N and EVEN_K)), acc,
+                     input_precision=PRECISION)
+        if GATED:
+            up = _load_tile(w_ptrs + N * STRIDE_W, w_mask, EVEN_N and EVEN_K)
+            acc_up = tl.dot(a, tl.trans(up), acc_up, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
     out_ptrs = out_ptr + rows[:, None] * STRIDE_OUT + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _load_tile(ptrs, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 _launch = CachedLauncher(_skinny_linear_kernel)

@@ -61,11 +61,12 @@ class Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + bias` (into `out` if given). Decode-sized steps on CUDA take the skinny
-        kernel (one launch), which with `gated` also applies SiLU-and-mul to `x = [gate |
-        up]` as it loads it (only asked for where `uses_skinny_linear` holds); the rest cuBLAS."""
-        if triton_ops.uses_skinny_linear(x, self.weight):
+        kernel (one launch), which with `gated` also applies SiLU-and-mul to the output's
+        halves `[gate | up]` (only asked for where `uses_skinny_linear` holds); the rest
+        cuBLAS."""
+        if triton_ops.uses_skinny_linear(x, self.weight, gated):
             return triton_ops.skinny_linear(x, self.weight, bias, gated=gated, out=out)
-        assert not gated, "a gated input outside the skinny kernel"
+        assert not gated, "SiLU-and-mul asked of a projection outside the skinny kernel"
         if out is None:
             return F.linear(x, self.weight, bias)
         if bias is None:
@@ -90,9 +91,12 @@ class ColumnParallelLinear(Linear):
         super().__init__(input_size, local, output_sizes, bias)
         self.rank, self.tp_size = tp.rank, tp.size
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`x` `[T, input_size]` -> this rank's `[T, sum(local outputs)]`, into `out` if given."""
-        return self.matmul(x, self.bias, out=out)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                gated: bool = False) -> torch.Tensor:
+        """`x` `[T, input_size]` -> this rank's `[T, sum(local outputs)]`, into `out` if given;
+        with `gated` (two equal outputs, where `uses_skinny_linear` holds) SiLU-and-mul of
+        them, `[T, local output]`."""
+        return self.matmul(x, self.bias, gated, out)
 
     def load_weight(self, name: str, loaded: torch.Tensor, block: int | None = None) -> None:
         """Copy this rank's part of checkpoint tensor `name`: output block `block`, or, with
@@ -129,12 +133,11 @@ class RowParallelLinear(Linear):
         super().__init__(local_input, [output_size], [output_size], bias)
         self.tp, self.input_start, self.input_size = tp, start, input_size
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """`x` `[T, local input]` (with `gated`, `[gate | up]` of twice that, SiLU-and-mul
-        first) -> `[T, output_size]`, the same on every rank."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `[T, local input]` -> `[T, output_size]`, the same on every rank."""
         if self.tp.size == 1:  # one kernel, the bias fused
-            return self.matmul(x, self.bias, gated)
-        y = self.tp.all_reduce(self.matmul(x, None, gated))  # the bias added once, after the sum
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))  # the bias added once, after the sum
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:

@@ -74,11 +74,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # SiLU-and-mul inside the down projection where the skinny kernel runs it
-        if triton_ops.uses_skinny_linear(gate_up, self.down_proj.weight):
-            return self.down_proj(gate_up, gated=True)
-        return self.down_proj(self.act(gate_up))
+        # SiLU-and-mul inside the gate/up projection where the skinny kernel runs it
+        if triton_ops.uses_skinny_linear(x, self.gate_up_proj.weight, gated=True):
+            return self.down_proj(self.gate_up_proj(x, gated=True))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
