@@ -10,7 +10,11 @@ import torch
 import torch.multiprocessing as mp
 
 from bcg.distributed.expert_parallel import set_expert_parallel
-from bcg.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from bcg.distributed.parallel_state import (
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    spawned_group_store,
+)
 from bcg.forward import set_forward_context
 from bcg.layers import moe_alltoall
 from bcg.layers.fused_moe import FusedMoE, select_experts
@@ -100,7 +104,7 @@ def check_traced_steps_take_the_counted_exchange(layer: FusedMoE, gate_up: torch
 
 
 def rank_main(rank: int, port: int) -> None:
-    init_tensor_parallel(2, "gloo", f"tcp://127.0.0.1:{port}", rank)
+    init_tensor_parallel(2, "gloo", spawned_group_store(2, rank, port), rank)
     set_expert_parallel(True, "alltoall", FIXED_BLOCK_TOKENS)
     try:
         torch.manual_seed(0)  # the same weights and tokens on both ranks

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 from bcg.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
+    spawned_group_store,
     tensor_parallel,
 )
 from bcg.distributed.step_channel import INLINE_BYTES, StepChannel
@@ -32,7 +33,7 @@ def test_step_plan_round_trip():
 
 def rank_main(rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    init_tensor_parallel(2, "gloo", f"tcp://127.0.0.1:{port}", rank)
+    init_tensor_parallel(2, "gloo", spawned_group_store(2, rank, port), rank)
     try:
         channel = StepChannel(tensor_parallel())
         if rank == 0:

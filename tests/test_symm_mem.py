@@ -21,6 +21,7 @@ from bcg.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
     set_custom_all_reduce,
+    spawned_group_store,
     tensor_parallel,
 )
 from bcg.distributed.symm_mem import (
@@ -121,7 +122,7 @@ def test_a_replaced_or_destroyed_kernel_is_released():
 
 def cpu_rank_main(rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    init_tensor_parallel(2, "gloo", f"tcp://127.0.0.1:{port}", rank)
+    init_tensor_parallel(2, "gloo", spawned_group_store(2, rank, port), rank)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -151,7 +152,7 @@ def test_a_single_rank_ignores_the_flag(caplog):
 def gpu_rank_main(rank: int, port: int) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    init_tensor_parallel(2, "nccl", f"tcp://127.0.0.1:{port}", rank, device)
+    init_tensor_parallel(2, "nccl", spawned_group_store(2, rank, port), rank, device)
     try:
         for dtype in (torch.bfloat16, torch.float32):
             kernel = use_torch_symm_mem(True, dtype, device)

@@ -5,6 +5,7 @@ load or in a step stops the engine with an error naming its rank (no hang); size
 or the machine cannot take are refused before any weight loads."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
 from bcg.distributed import launcher, rank_loop
 from bcg.distributed.launcher import TensorParallelError, Workers, check_tensor_parallel_size
-from bcg.distributed.parallel_state import TensorParallel
+from bcg.distributed.parallel_state import TensorParallel, spawned_group_store
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
@@ -169,7 +170,16 @@ def test_a_worker_failing_at_load_is_named(tmp_path, monkeypatch):
     assert time.monotonic() - start < FAILURE_SECONDS
 
 
-def worker_exiting_after_start(config, rank, init_method, reports):
+def test_rank_zeros_rendezvous_listens_before_its_workers_start():
+    """Rank 0 serves the group's store on a port the system picks, before it spawns the
+    workers: a port found free and bound later was once taken in between (EADDRINUSE)."""
+    store = spawned_group_store(2, rank=0)
+    assert store.port != 0
+    with socket.create_connection(("127.0.0.1", store.port), timeout=5):
+        pass
+
+
+def worker_exiting_after_start(config, rank, store_port, reports):
     reports.send(("started", ""))
     os._exit(4)
 

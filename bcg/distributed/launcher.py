@@ -36,10 +36,10 @@ from bcg.distributed.parallel_state import (
     destroy_tensor_parallel,
     launched_rank,
     local_rank,
+    spawned_group_store,
 )
 from bcg.models.config import ModelConfig
 from bcg.timing import startup_step
-from bcg.utils import free_port
 
 if TYPE_CHECKING:
     from bcg.runner.model_runner import ModelRunner
@@ -110,22 +110,22 @@ class Workers:
         if not self.spawned:
             rank_loop.join_group(config)
             return
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        store = spawned_group_store(self.size, rank=0)
         try:
             with startup_step("tensor-parallel workers spawned"):
-                self._spawn(config, init_method)
+                self._spawn(config, store.port)
                 self._wait_until_started()
             self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
                                              daemon=True)
             self._watcher.start()
             # the workers import the runner's modules before they join: their import time
             with startup_step("tensor-parallel group formed"), self.failures_named():
-                rank_loop.join_group(config, init_method, rank=0)
+                rank_loop.join_group(config, store, rank=0)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, config: EngineConfig, init_method: str) -> None:
+    def _spawn(self, config: EngineConfig, store_port: int) -> None:
         # rank 0's interpreter flags (-X, -W, -O...), as multiprocessing's spawn passes them
         command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
                    WORKER_PROGRAM]
@@ -145,7 +145,7 @@ class Workers:
             try:
                 with process.stdin:  # far less than a pipe's buffer: written at once
                     pickle.dump(sys.path, process.stdin)
-                    pickle.dump((rank_loop.spawned_worker_main, config, rank, init_method,
+                    pickle.dump((rank_loop.spawned_worker_main, config, rank, store_port,
                                  reports_fd), process.stdin)
             except OSError:  # it ended before reading them
                 raise TensorParallelError(

@@ -137,24 +137,36 @@ CPU_GROUP_TIMEOUT = timedelta(days=365)
 SPAWNED_GROUP_TIMEOUT = timedelta(seconds=30)
 
 
-def init_tensor_parallel(size: int, backend: str, init_method: str = "env://",
+def spawned_group_store(size: int, rank: int, port: int = 0) -> dist.TCPStore:
+    """The rendezvous of a group whose workers rank 0 spawns: rank 0 serves it on a port the
+    system picks (read it from `.port`) before it starts them, and they connect to `port`.
+    A port found free and bound only later can be taken in between (by another process's
+    connection, say), and the group then fails with EADDRINUSE."""
+    return dist.TCPStore("127.0.0.1", port, world_size=size, is_master=rank == 0,
+                         timeout=SPAWNED_GROUP_TIMEOUT, wait_for_workers=False)
+
+
+def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = None,
                          rank: int | None = None,
                          device: torch.device | None = None) -> TensorParallel:
     """Join the process group of `size` ranks and make it current: env-style by default
-    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or at `init_method` as `rank` (a rank that
-    rank 0 spawned). On a GPU `device` binds the group to it: NCCL's communicator is then
-    created here, not at the first collective (inside a step or a graph capture)."""
+    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or through `store` as `rank` (a group of
+    workers that rank 0 spawned: `spawned_group_store`). On a GPU `device` binds the group
+    to it: NCCL's communicator is then created here, not at the first collective (inside a
+    step or a graph capture)."""
     global _current
     if size == 1:
         _current = TensorParallel()
         return _current
     if not dist.is_initialized():
-        options = {} if rank is None else {"rank": rank, "world_size": size,
-                                           "timeout": SPAWNED_GROUP_TIMEOUT}
+        options: dict[str, Any] = {"init_method": "env://"}
+        if store is not None:
+            options = {"store": store, "rank": rank, "world_size": size,
+                       "timeout": SPAWNED_GROUP_TIMEOUT}
         if device is not None and device.type == "cuda":
             options["device_id"] = device  # a keyword of init_process_group since torch 2.3
         try:
-            dist.init_process_group(backend, init_method=init_method, **options)
+            dist.init_process_group(backend, **options)
         except BaseException:
             _forget_failed_init()
             raise

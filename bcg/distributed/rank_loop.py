@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import BinaryIO, NoReturn
 
 import torch
+import torch.distributed as dist
 
 from bcg.config import EngineConfig
 from bcg.distributed.parallel_state import (
@@ -28,6 +29,7 @@ from bcg.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
     local_rank,
+    spawned_group_store,
 )
 from bcg.runner.step_plan import StepPlan
 
@@ -49,18 +51,18 @@ def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
     return config
 
 
-def join_group(config: EngineConfig, init_method: str = "env://",
+def join_group(config: EngineConfig, store: dist.Store | None = None,
                rank: int | None = None) -> TensorParallel:
-    """Join the tensor-parallel group on this rank's device: NCCL on GPUs, gloo on the CPU."""
+    """Join the tensor-parallel group on this rank's device: NCCL on GPUs, gloo on the CPU;
+    env-style, or through `store` as `rank` (workers that rank 0 spawned)."""
     device = config.torch_device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return init_tensor_parallel(config.tensor_parallel_size, backend, init_method, rank,
-                                device)
+    return init_tensor_parallel(config.tensor_parallel_size, backend, store, rank, device)
 
 
-def serve_steps(config: EngineConfig, init_method: str = "env://",
+def serve_steps(config: EngineConfig, store_port: int | None = None,
                 rank: int | None = None) -> None:
     """Join the group, build this rank's runner as rank 0 builds its own, and run rank 0's
     steps until it shuts down."""
@@ -68,7 +70,9 @@ def serve_steps(config: EngineConfig, init_method: str = "env://",
 
     # Spawned by rank 0 on its host: the device index is the rank. Under torchrun: LOCAL_RANK.
     config = rank_config(config, local_rank() if rank is None else rank)
-    join_group(config, init_method, rank)
+    store = None if store_port is None else spawned_group_store(
+        config.tensor_parallel_size, rank, store_port)
+    join_group(config, store, rank)
     runner = start_runner(config)
     try:
         while (message := runner.step_channel.receive()) is not None:
@@ -98,12 +102,12 @@ def run_started_worker(stream: BinaryIO) -> None:
     """The program of a worker rank 0 started (`launcher.WORKER_PROGRAM`): read its entry
     point (`spawned_worker_main`, unless a test swapped it) and arguments, and run it with
     its reports' pipe."""
-    entry, config, rank, init_method, reports_fd = pickle.load(stream)
+    entry, config, rank, store_port, reports_fd = pickle.load(stream)
     os.set_inheritable(reports_fd, False)  # processes this one starts must not hold it open
-    entry(config, rank, init_method, Connection(reports_fd, readable=False))
+    entry(config, rank, store_port, Connection(reports_fd, readable=False))
 
 
-def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,
+def spawned_worker_main(config: EngineConfig, rank: int, store_port: int,
                         reports: Connection) -> None:
     """A worker that rank 0 spawned: report "started", serve steps, and on any error report
     it (rank 0 raises it, naming this rank) and exit at once: a collective left waiting on
@@ -112,7 +116,7 @@ def spawned_worker_main(config: EngineConfig, rank: int, init_method: str,
     _exit_with_parent()
     try:
         reports.send(("started", ""))
-        serve_steps(config, init_method, rank)
+        serve_steps(config, store_port, rank)
     except BaseException as error:  # noqa: BLE001 - reported, then the process ends
         _report(reports, error)
         os._exit(1)
