@@ -179,18 +179,49 @@ def test_rank_zeros_rendezvous_listens_before_its_workers_start():
         pass
 
 
-def worker_exiting_after_start(config, rank, store_port, reports):
-    reports.send(("started", ""))
-    os._exit(4)
+def worker_exiting_before_it_joins(config, rank, store_port, reports):
+    os._exit(4)  # as one that crashes importing the runner or taking its GPU
 
 
-def test_a_worker_dying_before_the_group_forms_is_named(tmp_path, monkeypatch):
+def worker_stuck_before_it_joins(config, rank, store_port, reports):
+    time.sleep(60)
+
+
+def test_a_worker_dying_before_the_group_forms_is_named_at_once(tmp_path, monkeypatch):
+    """Rank 0 waits for the workers' "joining", not in the group's rendezvous (which named a
+    dead worker only at its 30 s timeout)."""
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_after_start)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_before_it_joins)
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 4"):
+    with pytest.raises(TensorParallelError, match="rank 1 failed to start: its process exited "
+                       "with code 4 before it joined the group"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    assert time.monotonic() - start < 15
+
+
+def test_a_worker_silent_before_the_group_forms_is_named_and_ended(tmp_path, monkeypatch):
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_stuck_before_it_joins)
+    monkeypatch.setattr(launcher, "WORKER_START_SECONDS", 2.0)
+    ended = []
+    monkeypatch.setattr(launcher.Workers, "close", _recording_close(ended))
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed to start: it did not join the "
+                       "group within 2 s"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
     assert time.monotonic() - start < FAILURE_SECONDS
+    assert [process.poll() is not None for process in ended] == [True]
+
+
+def _recording_close(ended: list):
+    """`Workers.close` that also records the worker processes it ended."""
+    close = launcher.Workers.close
+
+    def recording(self):
+        close(self)
+        ended.extend(self.processes)
+
+    return recording
 
 
 def test_a_worker_exiting_before_it_reads_its_arguments_is_named(tmp_path, monkeypatch):
@@ -199,7 +230,7 @@ def test_a_worker_exiting_before_it_reads_its_arguments_is_named(tmp_path, monke
     save_tiny_model("qwen3", tmp_path)
     monkeypatch.setattr(launcher, "WORKER_PROGRAM", "import os; os._exit(5)")
     with pytest.raises(TensorParallelError,
-                       match=r"rank 1 failed to start: its process exited \(5\)"):
+                       match="rank 1 failed to start: its process exited with code 5"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
 
 

@@ -20,6 +20,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import Pipe
@@ -51,6 +52,9 @@ T = TypeVar("T")
 FAILURE_REPORT_SECONDS = 3.0  # how long a failed collective waits for a worker's report
 ABORT_AFTER_SECONDS = 2.0  # a failed worker's NCCL peers are aborted after this
 JOIN_SECONDS = 30.0  # a worker's clean exit at shutdown (it frees its GPU)
+# From its start until it joins the group a worker imports the runner and takes its GPU:
+# seconds, a minute on a loaded machine. One silent for this long is stuck: named, not waited on.
+WORKER_START_SECONDS = 300.0
 # A worker's program: the caller's import path, then its entry point and arguments on stdin.
 WORKER_PROGRAM = ("import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
                   "from bcg.distributed.rank_loop import run_started_worker; "
@@ -114,11 +118,10 @@ class Workers:
         try:
             with startup_step("tensor-parallel workers spawned"):
                 self._spawn(config, store.port)
-                self._wait_until_started()
+                self._wait_until_joining()
             self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
                                              daemon=True)
             self._watcher.start()
-            # the workers import the runner's modules before they join: their import time
             with startup_step("tensor-parallel group formed"), self.failures_named():
                 rank_loop.join_group(config, store, rank=0)
         except BaseException:
@@ -150,20 +153,28 @@ class Workers:
             except OSError:  # it ended before reading them
                 raise TensorParallelError(
                     f"tensor-parallel rank {rank} failed to start: its process exited "
-                    f"({_exit_code(process, 5)}) before it read its arguments; its output "
+                    f"with code {_exit_code(process, 5)} before it read its arguments; its output "
                     "above says why") from None
 
     def _each_worker(self) -> Iterator[tuple[int, subprocess.Popen, Connection]]:
         for index, process in enumerate(self.processes):
             yield index + 1, process, self._reports[index]
 
-    def _wait_until_started(self) -> None:
+    def _wait_until_joining(self) -> None:
+        """Each worker's word that it has imported the runner and is joining the group. One
+        that fails or exits before is named at once (the group's rendezvous would only time
+        out), and so is one silent for `WORKER_START_SECONDS`."""
+        deadline = time.monotonic() + WORKER_START_SECONDS
         for rank, process, reports in self._each_worker():
+            if not reports.poll(max(0.0, deadline - time.monotonic())):
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} failed to start: it did not join the group "
+                    f"within {WORKER_START_SECONDS:.0f} s; its output above may say why")
             message = _receive(reports)
-            if message is None or message[0] != "started":
+            if message is None or message[0] != "joining":
                 detail = message[1] if message else (
-                    f"its process exited ({_exit_code(process, 5)}) before it started; its "
-                    "output above says why")
+                    f"its process exited with code {_exit_code(process, 5)} before it joined "
+                    "the group; its output above says why")
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
     def _watch(self) -> None:

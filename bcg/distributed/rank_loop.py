@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import BinaryIO, NoReturn
 
@@ -63,13 +64,16 @@ def join_group(config: EngineConfig, store: dist.Store | None = None,
 
 
 def serve_steps(config: EngineConfig, store_port: int | None = None,
-                rank: int | None = None) -> None:
-    """Join the group, build this rank's runner as rank 0 builds its own, and run rank 0's
-    steps until it shuts down."""
-    from bcg.runner.startup import start_runner  # after "started": the runner's imports
+                rank: int | None = None,
+                before_joining: Callable[[], None] | None = None) -> None:
+    """Join the group (calling `before_joining` first), build this rank's runner as rank 0
+    builds its own, and run rank 0's steps until it shuts down."""
+    from bcg.runner.startup import start_runner  # before "joining": the runner's imports
 
     # Spawned by rank 0 on its host: the device index is the rank. Under torchrun: LOCAL_RANK.
     config = rank_config(config, local_rank() if rank is None else rank)
+    if before_joining is not None:
+        before_joining()
     store = None if store_port is None else spawned_group_store(
         config.tensor_parallel_size, rank, store_port)
     join_group(config, store, rank)
@@ -109,14 +113,14 @@ def run_started_worker(stream: BinaryIO) -> None:
 
 def spawned_worker_main(config: EngineConfig, rank: int, store_port: int,
                         reports: Connection) -> None:
-    """A worker that rank 0 spawned: report "started", serve steps, and on any error report
-    it (rank 0 raises it, naming this rank) and exit at once: a collective left waiting on
-    this rank then fails on rank 0 instead of hanging."""
+    """A worker that rank 0 spawned: serve steps, reporting "joining" just before it joins
+    the group (rank 0 waits for that, not for the group's rendezvous, which it cannot cut
+    short), and on any error report it (rank 0 raises it, naming this rank) and exit at
+    once: a collective left waiting on this rank then fails on rank 0 instead of hanging."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides
     _exit_with_parent()
     try:
-        reports.send(("started", ""))
-        serve_steps(config, store_port, rank)
+        serve_steps(config, store_port, rank, lambda: reports.send(("joining", "")))
     except BaseException as error:  # noqa: BLE001 - reported, then the process ends
         _report(reports, error)
         os._exit(1)
