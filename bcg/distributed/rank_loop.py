@@ -40,12 +40,14 @@ PARENT_CHECK_SECONDS = 1.0
 
 
 def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
-    """`config` for this rank: its own GPU (cuda:`device_index`); on the CPU, its share of
-    the cores (ranks that each run all of them fight over them and every step slows down;
-    this sets the calling process's torch threads)."""
+    """`config` for this rank: its own GPU (cuda:`device_index`, made the process's current
+    device, so that a GPU that cannot be used fails here); on the CPU, its share of the cores
+    (ranks that each run all of them fight over them and every step slows down; this sets
+    the calling process's torch threads)."""
     if config.torch_device.type == "cuda":
         config = copy.copy(config)  # not `replace`: the checks refuse cuda:N at size > 1
         config.device = f"cuda:{device_index}"
+        torch.cuda.set_device(config.torch_device)
         return config
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // config.tensor_parallel_size))
@@ -54,11 +56,10 @@ def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
 
 def join_group(config: EngineConfig, store: dist.Store | None = None,
                rank: int | None = None) -> TensorParallel:
-    """Join the tensor-parallel group on this rank's device: NCCL on GPUs, gloo on the CPU;
-    env-style, or through `store` as `rank` (workers that rank 0 spawned)."""
+    """Join the tensor-parallel group on this rank's device (`config` from `rank_config`):
+    NCCL on GPUs, gloo on the CPU; env-style, or through `store` as `rank` (workers that
+    rank 0 spawned)."""
     device = config.torch_device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     return init_tensor_parallel(config.tensor_parallel_size, backend, store, rank, device)
 
