@@ -142,7 +142,7 @@ def measure(model: str, proj: str, rows: int, hbm_gbs: float, tune: bool) -> dic
     return {"model": model, "proj": proj, "rows": rows, "n": n, "k": k, "gated": gated,
             "cublas_us": cublas_us, "skinny_us": best_us, "skinny_over_cublas": best_us / cublas_us,
             "floor_us": weight_bytes / (hbm_gbs * 1e9) * 1e6, "config": asdict(best),
-            "tuned": tune, "engine_uses": fills_device(weights[0])}
+            "tuned": tune, "engine_uses": fills_device(weights[0], gated)}
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ One concept per module; each exposes plain functions over torch tensors:
   (Qwen3's q/k norm); the cos/sin tables come from ``bcg.layers.rotary``
 - ``activation``: SiLU-and-mul
 - ``skinny_linear``: the linear layers of decode-sized steps (up to 16 rows) in one launch,
-  optionally with SiLU-and-mul fused on the input (the MLP's down projection)
+  optionally with SiLU-and-mul fused on the output (the MLP's gate/up projection)
 - ``mamba_conv``: Mamba2's causal depthwise conv over a varlen batch with per-sequence conv
   state, and its one-token update (decode, graph-safe)
 - ``mamba_scan``: Mamba2's chunked SSD scan over a varlen batch from and back into
