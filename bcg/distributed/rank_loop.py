@@ -2,8 +2,8 @@
 this rank's device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
 
 Rank 0 launches the workers itself (`launcher`; here `run_started_worker` and
-`spawned_worker_main`: one host, devices 0..N-1, start and failure reported through a
-pipe), or torchrun starts every rank (`launched_worker_main`, env-style initialisation, on
+`spawned_worker_main`: one host, devices 0..N-1, readiness to join and failure reported
+through a pipe), or torchrun starts every rank (`launched_worker_main`, env-style initialisation, on
 cuda:LOCAL_RANK).
 """
 
@@ -31,6 +31,7 @@ from bcg.distributed.parallel_state import (
     init_tensor_parallel,
     local_rank,
     spawned_group_store,
+    wait_for_spawned_group,
 )
 from bcg.runner.step_plan import StepPlan
 
@@ -75,8 +76,10 @@ def serve_steps(config: EngineConfig, store_port: int | None = None,
     config = rank_config(config, local_rank() if rank is None else rank)
     if before_joining is not None:
         before_joining()
-    store = None if store_port is None else spawned_group_store(
-        config.tensor_parallel_size, rank, store_port)
+    store = None
+    if store_port is not None:
+        store = spawned_group_store(config.tensor_parallel_size, rank, store_port)
+        wait_for_spawned_group(store)
     join_group(config, store, rank)
     runner = start_runner(config)
     try:
