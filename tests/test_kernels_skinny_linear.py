@@ -15,7 +15,8 @@ skinny = import_kernels("skinny_linear")
 
 ROWS = [1, 3, 8, 16]
 # (N, K): tiles that divide both, and ones that leave a remainder of each
-SHAPES = [(4096, 2048), (3072, 4096), (1000, 1536)] if ON_GPU else [(32, 48), (37, 40)]
+SHAPES = ([(4096, 2048), (3072, 4096), (1000, 1536), (1024, 1600)] if ON_GPU
+          else [(32, 48), (37, 40)])
 
 
 def rand(*shape: int, generator: torch.Generator) -> torch.Tensor:

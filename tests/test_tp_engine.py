@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
-from bcg.distributed import launcher, rank_loop
+from bcg.distributed import launcher, parallel_state, rank_loop
 from bcg.distributed.launcher import TensorParallelError, Workers, check_tensor_parallel_size
 from bcg.distributed.parallel_state import TensorParallel, spawned_group_store
 from bcg.engine.llm import LLM
@@ -110,7 +111,7 @@ def test_serve_tp2_answers_the_openai_client(tmp_path):
 SERVE_WITH_A_FAILING_WORKER = """
 import sys
 from bcg.cli import main
-from bcg.distributed import launcher, rank_loop
+from bcg.distributed import rank_loop
 from tests import test_tp_engine
 
 rank_loop.spawned_worker_main = test_tp_engine.worker_failing_in_a_step
@@ -179,18 +180,50 @@ def test_rank_zeros_rendezvous_listens_before_its_workers_start():
         pass
 
 
-def worker_exiting_after_start(config, rank, store_port, reports):
-    reports.send(("started", ""))
-    os._exit(4)
+def worker_exiting_before_it_joins(config, rank, store_port, reports):
+    os._exit(4)  # as one that crashes importing the runner or taking its GPU
 
 
-def test_a_worker_dying_before_the_group_forms_is_named(tmp_path, monkeypatch):
+def worker_stuck_before_it_joins(config, rank, store_port, reports):
+    time.sleep(60)
+
+
+def test_a_worker_dying_before_the_group_forms_is_named_at_once(tmp_path, monkeypatch):
+    """Rank 0 waits for the workers' "joining", not in the group's rendezvous (which named a
+    dead worker only at its timeout, here made far longer than the test may take)."""
     save_tiny_model("qwen3", tmp_path)
-    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_after_start)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_before_it_joins)
+    monkeypatch.setattr(parallel_state, "SPAWNED_GROUP_TIMEOUT", timedelta(minutes=10))
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 4"):
+    with pytest.raises(TensorParallelError, match="rank 1 failed to start: its process exited "
+                       "with code 4 before it joined the group"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
     assert time.monotonic() - start < FAILURE_SECONDS
+
+
+def test_a_worker_silent_before_the_group_forms_is_named_and_ended(tmp_path, monkeypatch):
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_stuck_before_it_joins)
+    monkeypatch.setattr(launcher, "SPAWNED_START_TIMEOUT", timedelta(seconds=2))
+    ended = []
+    monkeypatch.setattr(launcher.Workers, "close", _recording_close(ended))
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed to start: it did not join the "
+                       "group within 2 s"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    assert time.monotonic() - start < 2 + 15  # then ended at once, not after JOIN_SECONDS
+    assert [process.poll() is not None for process in ended] == [True]
+
+
+def _recording_close(ended: list):
+    """`Workers.close` that also records the worker processes it ended."""
+    close = launcher.Workers.close
+
+    def recording(self):
+        close(self)
+        ended.extend(self.processes)
+
+    return recording
 
 
 def test_a_worker_exiting_before_it_reads_its_arguments_is_named(tmp_path, monkeypatch):
@@ -199,7 +232,7 @@ def test_a_worker_exiting_before_it_reads_its_arguments_is_named(tmp_path, monke
     save_tiny_model("qwen3", tmp_path)
     monkeypatch.setattr(launcher, "WORKER_PROGRAM", "import os; os._exit(5)")
     with pytest.raises(TensorParallelError,
-                       match=r"rank 1 failed to start: its process exited \(5\)"):
+                       match="rank 1 failed to start: its process exited with code 5"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
 
 
@@ -256,7 +289,7 @@ def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
 LAUNCHED_WORKER_FAILING = """
 import logging
 from bcg.config import EngineConfig
-from bcg.distributed import launcher, rank_loop
+from bcg.distributed import rank_loop
 
 def serve_steps(config):
     raise RuntimeError("injected failure")

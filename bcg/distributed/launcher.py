@@ -1,15 +1,16 @@
 """Rank 0's side of tensor parallelism: size checks, launching the worker processes (their
 own loop is `rank_loop`), naming a failed worker, and ending every rank.
 
-Unless torchrun started every rank, rank 0 starts ranks 1..N-1 on this host as fresh
-Python processes that import bcg's runner and nothing of the caller's: not its script, as
+Unless torchrun started every rank, rank 0 starts ranks 1..N-1 on this host as fresh Python
+processes that import bcg's runner and nothing of the caller's: not its script, as
 multiprocessing's spawn would (the benches' scripts took seconds to import, and a script
 without an `if __name__ == "__main__":` guard built a second engine in every worker). Rank
-0 waits for each to report that it started (an early death is an error at once, not a
-hang). A thread then watches the workers: one that raises reports its exception and exits,
-so rank 0's collective with it fails within moments (gloo sees the closed connection; on
-GPUs the NCCL group is aborted), and rank 0 raises an error naming that rank and its
-exception.
+0 waits for each to report that it has imported the runner and taken its GPU (a death
+before is an error at once, not a hang), then lets them into the group's rendezvous
+together. A thread then watches the workers: one that raises reports its exception and
+exits, so rank 0's collective with it fails within moments (gloo sees the closed
+connection; on GPUs the NCCL group is aborted), and rank 0 raises an error naming that rank
+and its exception.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import Pipe
@@ -32,10 +34,12 @@ import torch.distributed.distributed_c10d as c10d
 from bcg.config import EngineConfig, require
 from bcg.distributed import rank_loop
 from bcg.distributed.parallel_state import (
+    SPAWNED_START_TIMEOUT,
     TensorParallel,
     destroy_tensor_parallel,
     launched_rank,
     local_rank,
+    release_spawned_group,
     spawned_group_store,
 )
 from bcg.models.config import ModelConfig
@@ -114,14 +118,15 @@ class Workers:
         try:
             with startup_step("tensor-parallel workers spawned"):
                 self._spawn(config, store.port)
-                self._wait_until_started()
+                self._wait_until_joining()
+            release_spawned_group(store)
             self._watcher = threading.Thread(target=self._watch, name="bcg-tp-watch",
                                              daemon=True)
             self._watcher.start()
-            # the workers import the runner's modules before they join: their import time
             with startup_step("tensor-parallel group formed"), self.failures_named():
                 rank_loop.join_group(config, store, rank=0)
         except BaseException:
+            self.broken = "it failed to start"  # close() then waits for no worker
             self.close()
             raise
 
@@ -149,21 +154,29 @@ class Workers:
                                  reports_fd), process.stdin)
             except OSError:  # it ended before reading them
                 raise TensorParallelError(
-                    f"tensor-parallel rank {rank} failed to start: its process exited "
-                    f"({_exit_code(process, 5)}) before it read its arguments; its output "
-                    "above says why") from None
+                    f"tensor-parallel rank {rank} failed to start: {_gone(process, 5)} "
+                    "before it read its arguments; its output above says why") from None
 
     def _each_worker(self) -> Iterator[tuple[int, subprocess.Popen, Connection]]:
         for index, process in enumerate(self.processes):
             yield index + 1, process, self._reports[index]
 
-    def _wait_until_started(self) -> None:
+    def _wait_until_joining(self) -> None:
+        """Each worker's word that it has imported the runner and is joining the group. One
+        that fails or exits before is named at once (the group's rendezvous would only time
+        out), and so is one silent for `SPAWNED_START_TIMEOUT`."""
+        seconds = SPAWNED_START_TIMEOUT.total_seconds()
+        deadline = time.monotonic() + seconds
         for rank, process, reports in self._each_worker():
+            if not reports.poll(max(0.0, deadline - time.monotonic())):
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} failed to start: it did not join the group "
+                    f"within {seconds:.0f} s; its output above may say why")
             message = _receive(reports)
-            if message is None or message[0] != "started":
+            if message is None or message[0] != "joining":
                 detail = message[1] if message else (
-                    f"its process exited ({_exit_code(process, 5)}) before it started; its "
-                    "output above says why")
+                    f"{_gone(process, 5)} before it joined the group; its output above says "
+                    "why")
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
     def _watch(self) -> None:
@@ -178,8 +191,7 @@ class Workers:
                 if message is not None and message[0] == "failed":
                     self._record(rank, message[1])
                 elif not self._closing:
-                    code = _exit_code(self.processes[rank - 1], 1)
-                    self._record(rank, f"its process exited with code {code}")
+                    self._record(rank, _gone(self.processes[rank - 1], 1))
 
     def _record(self, rank: int, message: str) -> None:
         if self.failure is not None:
@@ -290,6 +302,14 @@ def _exit_code(process: subprocess.Popen, seconds: float) -> int | None:
         return process.wait(seconds)
     except subprocess.TimeoutExpired:
         return None
+
+
+def _gone(process: subprocess.Popen, seconds: float) -> str:
+    """How a worker whose reports ended is gone: its exit code, once it has exited."""
+    code = _exit_code(process, seconds)
+    if code is None:
+        return "its reports ended while its process still runs"
+    return f"its process exited with code {code}"
 
 
 def _end(process: subprocess.Popen, seconds: float) -> None:

@@ -128,13 +128,18 @@ def set_custom_all_reduce(custom: CustomAllReduce | None) -> None:
 
 # A worker waits in the CPU group for the next step as long as the engine is idle.
 CPU_GROUP_TIMEOUT = timedelta(days=365)
-# The device group of workers that rank 0 spawned: they reach its rendezvous within moments
-# of reporting that they started, so one that dies in between is a clear error in this long
+# From its start until it joins the group a worker that rank 0 spawned imports the runner and
+# takes its GPU: seconds, a minute on a loaded machine. Rank 0 names one silent this long, and
+# workers that are ready wait this long for the others (`release_spawned_group`).
+SPAWNED_START_TIMEOUT = timedelta(minutes=5)
+# The device group of workers that rank 0 spawned: every rank enters its rendezvous once rank
+# 0 has heard from all of them, so one that dies in between is a clear error in this long
 # (the rendezvous cannot be interrupted; torch's default would wait 10 to 30 minutes). Its
 # collectives take milliseconds within a step, and ranks lag little while they compile the
 # same kernels at start-up. Under torchrun ranks start apart (rank 0 may download the model
 # first): torch's default stands.
 SPAWNED_GROUP_TIMEOUT = timedelta(seconds=30)
+_EVERY_RANK_READY = "bcg/every rank ready"
 
 
 def spawned_group_store(size: int, rank: int, port: int = 0) -> dist.TCPStore:
@@ -144,6 +149,17 @@ def spawned_group_store(size: int, rank: int, port: int = 0) -> dist.TCPStore:
     connection, say), and the group then fails with EADDRINUSE."""
     return dist.TCPStore("127.0.0.1", port, world_size=size, is_master=rank == 0,
                          timeout=SPAWNED_GROUP_TIMEOUT, wait_for_workers=False)
+
+
+def release_spawned_group(store: dist.Store) -> None:
+    """Rank 0, once every worker it spawned is ready to join: let them enter the rendezvous
+    together (its timeout then counts from the last, not from each worker's own start)."""
+    store.set(_EVERY_RANK_READY, "1")
+
+
+def wait_for_spawned_group(store: dist.Store) -> None:
+    """A spawned worker, ready to join: wait for rank 0's `release_spawned_group`."""
+    store.wait([_EVERY_RANK_READY], SPAWNED_START_TIMEOUT)
 
 
 def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = None,

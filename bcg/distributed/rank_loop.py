@@ -2,8 +2,8 @@
 this rank's device, then run every step rank 0 sends (`StepPlan`) until it shuts down.
 
 Rank 0 launches the workers itself (`launcher`; here `run_started_worker` and
-`spawned_worker_main`: one host, devices 0..N-1, start and failure reported through a
-pipe), or torchrun starts every rank (`launched_worker_main`, env-style initialisation, on
+`spawned_worker_main`: one host, devices 0..N-1, readiness to join and failure reported
+through a pipe), or torchrun starts every rank (`launched_worker_main`, env-style initialisation, on
 cuda:LOCAL_RANK).
 """
 
@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import BinaryIO, NoReturn
 
@@ -30,6 +31,7 @@ from bcg.distributed.parallel_state import (
     init_tensor_parallel,
     local_rank,
     spawned_group_store,
+    wait_for_spawned_group,
 )
 from bcg.runner.step_plan import StepPlan
 
@@ -39,12 +41,14 @@ PARENT_CHECK_SECONDS = 1.0
 
 
 def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
-    """`config` for this rank: its own GPU (cuda:`device_index`); on the CPU, its share of
-    the cores (ranks that each run all of them fight over them and every step slows down;
-    this sets the calling process's torch threads)."""
+    """`config` for this rank: its own GPU (cuda:`device_index`, made the process's current
+    device, so that a GPU that cannot be used fails here); on the CPU, its share of the cores
+    (ranks that each run all of them fight over them and every step slows down; this sets
+    the calling process's torch threads)."""
     if config.torch_device.type == "cuda":
         config = copy.copy(config)  # not `replace`: the checks refuse cuda:N at size > 1
         config.device = f"cuda:{device_index}"
+        torch.cuda.set_device(config.torch_device)
         return config
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // config.tensor_parallel_size))
@@ -53,25 +57,29 @@ def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
 
 def join_group(config: EngineConfig, store: dist.Store | None = None,
                rank: int | None = None) -> TensorParallel:
-    """Join the tensor-parallel group on this rank's device: NCCL on GPUs, gloo on the CPU;
-    env-style, or through `store` as `rank` (workers that rank 0 spawned)."""
+    """Join the tensor-parallel group on this rank's device (`config` from `rank_config`):
+    NCCL on GPUs, gloo on the CPU; env-style, or through `store` as `rank` (workers that
+    rank 0 spawned)."""
     device = config.torch_device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     return init_tensor_parallel(config.tensor_parallel_size, backend, store, rank, device)
 
 
 def serve_steps(config: EngineConfig, store_port: int | None = None,
-                rank: int | None = None) -> None:
-    """Join the group, build this rank's runner as rank 0 builds its own, and run rank 0's
-    steps until it shuts down."""
-    from bcg.runner.startup import start_runner  # after "started": the runner's imports
+                rank: int | None = None,
+                before_joining: Callable[[], None] | None = None) -> None:
+    """Join the group (calling `before_joining` first), build this rank's runner as rank 0
+    builds its own, and run rank 0's steps until it shuts down."""
+    from bcg.runner.startup import start_runner  # before "joining": the runner's imports
 
     # Spawned by rank 0 on its host: the device index is the rank. Under torchrun: LOCAL_RANK.
     config = rank_config(config, local_rank() if rank is None else rank)
-    store = None if store_port is None else spawned_group_store(
-        config.tensor_parallel_size, rank, store_port)
+    if before_joining is not None:
+        before_joining()
+    store = None
+    if store_port is not None:
+        store = spawned_group_store(config.tensor_parallel_size, rank, store_port)
+        wait_for_spawned_group(store)
     join_group(config, store, rank)
     runner = start_runner(config)
     try:
@@ -109,14 +117,14 @@ def run_started_worker(stream: BinaryIO) -> None:
 
 def spawned_worker_main(config: EngineConfig, rank: int, store_port: int,
                         reports: Connection) -> None:
-    """A worker that rank 0 spawned: report "started", serve steps, and on any error report
-    it (rank 0 raises it, naming this rank) and exit at once: a collective left waiting on
-    this rank then fails on rank 0 instead of hanging."""
+    """A worker that rank 0 spawned: serve steps, reporting "joining" just before it joins
+    the group (rank 0 waits for that, not for the group's rendezvous, which it cannot cut
+    short), and on any error report it (rank 0 raises it, naming this rank) and exit at
+    once: a collective left waiting on this rank then fails on rank 0 instead of hanging."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides
     _exit_with_parent()
     try:
-        reports.send(("started", ""))
-        serve_steps(config, store_port, rank)
+        serve_steps(config, store_port, rank, lambda: reports.send(("joining", "")))
     except BaseException as error:  # noqa: BLE001 - reported, then the process ends
         _report(reports, error)
         os._exit(1)

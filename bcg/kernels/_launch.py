@@ -118,6 +118,7 @@ class CachedLauncher:
         self.slow_launches = 0
         self.compiles = isinstance(kernel, triton.runtime.JITFunction)
         params = kernel_params(kernel)
+        self.checks_arguments = bool(params)  # a kernel it cannot read launches as it is
         self.constexpr_names = [name for name, constexpr, _ in params if constexpr]
         self.unspecialized = {num for num, (_, _, free) in enumerate(params) if free}
         first_constexpr = len(params) - len(self.constexpr_names)
@@ -177,7 +178,7 @@ class CachedLauncher:
         args = (*tensors, *scalars)
         for index, arg in enumerate(args):
             is_int = isinstance(arg, int) and not isinstance(arg, bool)
-            if is_int and index not in self.unspecialized:
+            if self.checks_arguments and is_int and index not in self.unspecialized:
                 raise TypeError(
                     f"{self.kernel}: integer argument {index} must be a constexpr or listed in "
                     "do_not_specialize to be launched through CachedLauncher"

@@ -10,14 +10,19 @@ from bcg.layers import triton_ops
 from bcg.layers.triton_ops import use_fused_kernels
 
 
-class SiluAndMul(nn.Module):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `x = gate | up` concatenated on the last dimension."""
+    if use_fused_kernels(x):
+        return triton_ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    """`silu_and_mul` as a layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(x):
-            return triton_ops.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
 
 class ReluSquared(nn.Module):

@@ -18,6 +18,7 @@ from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.layers import triton_ops
+from bcg.layers.activation import silu_and_mul
 
 
 def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -60,13 +61,14 @@ class Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """`x W^T + bias` (into `out` if given). Decode-sized steps on CUDA take the skinny
-        kernel (one launch), which with `gated` also applies SiLU-and-mul to the output's
-        halves `[gate | up]` (only asked for where `uses_skinny_linear` holds); the rest
-        cuBLAS."""
+        """`x W^T + bias` (into `out` if given), with `gated` then SiLU-and-mul of the output's
+        halves `[gate | up]` (no `out` then). Decode-sized steps on CUDA take the skinny
+        kernel, the activation fused (one launch); the rest cuBLAS."""
+        assert not (gated and out is not None), "a gated projection writes a new tensor"
         if triton_ops.uses_skinny_linear(x, self.weight, gated):
             return triton_ops.skinny_linear(x, self.weight, bias, gated=gated, out=out)
-        assert not gated, "SiLU-and-mul asked of a projection outside the skinny kernel"
+        if gated:
+            return silu_and_mul(F.linear(x, self.weight, bias))
         if out is None:
             return F.linear(x, self.weight, bias)
         if bias is None:
@@ -94,8 +96,7 @@ class ColumnParallelLinear(Linear):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
                 gated: bool = False) -> torch.Tensor:
         """`x` `[T, input_size]` -> this rank's `[T, sum(local outputs)]`, into `out` if given;
-        with `gated` (two equal outputs, where `uses_skinny_linear` holds) SiLU-and-mul of
-        them, `[T, local output]`."""
+        with `gated` (two equal outputs) SiLU-and-mul of them, `[T, local output]`."""
         return self.matmul(x, self.bias, gated, out)
 
     def load_weight(self, name: str, loaded: torch.Tensor, block: int | None = None) -> None:

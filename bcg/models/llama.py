@@ -9,8 +9,6 @@ from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.graph import bridge_buffer
-from bcg.layers import triton_ops
-from bcg.layers.activation import SiluAndMul
 from bcg.layers.attention import Attention, kv_store_target
 from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -71,13 +69,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size],
                                                  bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # SiLU-and-mul inside the gate/up projection where the skinny kernel runs it
-        if triton_ops.uses_skinny_linear(x, self.gate_up_proj.weight, gated=True):
-            return self.down_proj(self.gate_up_proj(x, gated=True))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # SiLU-and-mul fused into the gate/up projection where the skinny kernel runs it
+        return self.down_proj(self.gate_up_proj(x, gated=True))
 
 
 class LlamaDecoderLayer(nn.Module):
