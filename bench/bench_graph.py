@@ -2,11 +2,13 @@
 and the `breakable-cuda-graphs` package, on a synthetic layer stack.
 
 Each layer runs a few small kernels and one with-output break doing one small kernel.
-"segment launch us" is the host time to launch one one-kernel CUDA graph from a Python loop:
-the floor under any breakable replay's cost per break. Each breakable mode's replay is also
-taken apart: the host time of its segment launches alone and of its break calls alone, per
-segment and per break (`segment_host_us`, `break_host_us`), each run in replay order
-without the other, so the libraries' costs beyond the body can be told apart.
+"segment launch us" is the host time to launch one one-kernel CUDA graph from a Python loop
+with torch's `replay()`: the floor under a breakable replay's cost per break when it launches
+its segments as torch does (bcg launches them through the CUDA driver, below that floor).
+Each breakable mode's replay is also taken apart: the host time of its segment launches
+alone and of its break calls alone, per segment and per break (`segment_host_us`,
+`break_host_us`), each run in replay order without the other, so the libraries' costs
+beyond the body can be told apart.
 Run: python bench/bench_graph.py [--layers 32]
 """
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -144,9 +145,10 @@ def replay_parts(replay: Callable[[], None]) -> tuple[list[Callable], list[Calla
     replay order, as each library's replay calls them (reads private fields)."""
     graph = replay.__self__
     if isinstance(graph, BreakableCUDAGraph):
-        breaks = [s for s in graph._steps if isinstance(s, functools.partial)
-                  or inspect.isfunction(s)]
-        return [s for s in graph._steps if s not in breaks], breaks
+        replay()  # the first replay chooses each segment's launch
+        steps = list(zip(graph._driver_steps(), graph._labels, strict=True))
+        return ([step for step, label in steps if label.startswith("segment")],
+                [step for step, label in steps if label.startswith("break")])
     segments = [s for s in graph._segments if isinstance(s, torch.cuda.CUDAGraph)]
     return ([s.replay for s in segments],
             [s.replay for s in graph._segments if not isinstance(s, torch.cuda.CUDAGraph)])
@@ -162,8 +164,8 @@ def calls(functions: list[Callable]) -> Callable[[], None]:
 
 def segment_launches(layers: int, x: torch.Tensor) -> Callable[[], None]:
     """`layers` CUDA graphs of one small kernel each, replayed back to back from a Python
-    loop (the way bcg replays a segment): what launching the segments alone costs the host,
-    the floor under any breakable replay's cost per break."""
+    loop (the way torch replays a segment): what launching the segments alone costs the host,
+    the floor under the cost per break of a replay that launches segments as torch does."""
     replays = []
     for _ in range(layers):
         graph = torch.cuda.CUDAGraph()

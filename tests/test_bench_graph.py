@@ -29,7 +29,10 @@ def test_replay_parts_split_segments_from_breaks_in_replay_order():
     result = torch.zeros(2)
     graph._add_break(lambda: log.append("break 1") or torch.ones(2), (), {},
                      capture_result=result)
+    graph._finish_capture()
     segments, breaks = bench_graph.replay_parts(graph.replay)
+    assert log == ["segment 0", "break 0", "segment 1", "break 1"]  # its first replay
+    log.clear()
     bench_graph.calls(segments)()
     bench_graph.calls(breaks)()
     assert log == ["segment 0", "segment 1", "break 0", "break 1"]

@@ -17,6 +17,7 @@ from bcg.graph import (
     GraphReplayError,
     break_graph,
     current_capture,
+    driver_launch,
     eager_on_graph,
     fork_stream,
     get_current_replay_token,
@@ -91,6 +92,38 @@ def test_breaks_with_temporaries_and_repeated_replays(layers):
         graph.replay()
         torch.testing.assert_close(out, stack(x, weights))
     LIVE["shift"] = 0.0
+
+
+def driver_launches(graph: BreakableCUDAGraph) -> int:
+    """How many of the replay's steps launch a segment through the CUDA driver."""
+    return sum(getattr(step, "func", None) is driver_launch._driver.cuGraphLaunch
+               for step in graph._stream_steps)
+
+
+@pytest.mark.skipif(driver_launch._driver is None, reason="the CUDA driver is not reachable")
+def test_segments_launch_through_the_driver_except_random_ones_on_any_stream():
+    weights = make_weights(2)
+    x = torch.randn(32, 64, device="cuda")
+    noise = torch.empty(1024, device="cuda")
+
+    def random_then_stack():
+        noise.copy_(torch.rand_like(noise))  # segment 0 draws random numbers
+        return stack(x, weights)
+
+    graph, out = capture(random_then_stack)
+    draws = []
+    for stream in [torch.cuda.current_stream(), torch.cuda.current_stream(),
+                   torch.cuda.Stream(), torch.cuda.current_stream()]:
+        x.copy_(torch.randn_like(x))
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.replay()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.testing.assert_close(out, stack(x, weights))
+        draws.append(noise.clone())
+    assert graph._random_segments == {0}
+    assert driver_launches(graph) == graph.num_segments - 1
+    assert len({tuple(draw[:8].tolist()) for draw in draws}) == len(draws)  # fresh draws
 
 
 def test_decorator_disabled_and_outside_capture():

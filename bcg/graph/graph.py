@@ -11,6 +11,12 @@ import torch
 
 from bcg.graph.context import _replay_token, next_replay_token
 from bcg.graph.copy_output import copy_output
+from bcg.graph.driver_launch import (
+    current_raw_stream,
+    driver_launcher,
+    generator_offset,
+    launches_through_driver,
+)
 
 
 class GraphReplayError(RuntimeError):
@@ -22,7 +28,9 @@ class BreakableCUDAGraph:
 
     Fill it with `BreakableCUDAGraphCapture`; `replay()` then runs segment 0, break 0,
     segment 1, ... on the current stream. Empty segments are dropped at capture, so they
-    cost nothing at replay.
+    cost nothing at replay. Segments are launched through the CUDA driver where it can
+    (see `driver_launch`), except those that draw random numbers, which the first replay
+    finds out by launching every segment through torch.
     """
 
     def __init__(self) -> None:
@@ -30,11 +38,16 @@ class BreakableCUDAGraph:
         # Empty segments are never replayed but stay alive until reset(): releasing one
         # early would release its hold on the shared memory pool mid-capture.
         self._empty_segments: list[Any] = []
-        self._steps: list[Callable[[], None]] = []
+        self._steps: list[Callable[[], None]] = []  # torch's launches and the breaks
         self._labels: list[str] = []
         self._pool: Any = None
         self._num_breaks = 0
         self._captured = False
+        self._device: int | None = None  # where the driver launches segments
+        self._driver_segments: dict[int, Any] = {}  # step index -> segment
+        self._random_segments: set[int] | None = None  # step indices; None until replayed
+        self._stream: int | None = None  # the stream `_stream_steps` launch on
+        self._stream_steps: list[Callable[[], None]] = []
 
     @property
     def num_segments(self) -> int:
@@ -60,18 +73,59 @@ class BreakableCUDAGraph:
                 "BreakableCUDAGraph.replay(): the graph has not been captured; capture it "
                 "inside `with BreakableCUDAGraphCapture(graph): ...` first"
             )
+        if self._device is not None and torch.cuda.current_device() != self._device:
+            with torch.cuda.device(self._device):
+                return self.replay()
         token = _replay_token.set(next_replay_token())
-        steps = iter(self._steps)  # no per-step bookkeeping: a failure finds its step from it
         try:
-            for step in steps:
+            if self._random_segments is None and self._driver_segments:
+                random_segments: set[int] = set()
+                self._run(self._learning_steps(random_segments))
+                self._random_segments = random_segments
+            else:
+                self._run(self._driver_steps())
+        finally:
+            _replay_token.reset(token)
+
+    def _run(self, steps: list[Callable[[], None]]) -> None:
+        remaining = iter(steps)  # no per-step bookkeeping: a failure finds its step from it
+        try:
+            for step in remaining:
                 step()
         except Exception as error:
-            label = self._labels[len(self._steps) - operator.length_hint(steps) - 1]
+            label = self._labels[len(steps) - operator.length_hint(remaining) - 1]
             raise GraphReplayError(
                 f"replay failed in {label}: {type(error).__name__}: {error}"
             ) from error
-        finally:
-            _replay_token.reset(token)
+
+    def _learning_steps(self, random_segments: set[int]) -> list[Callable[[], None]]:
+        """The steps, each segment launched by torch while noting into `random_segments`
+        whether its launch advanced the random generator."""
+        steps = list(self._steps)
+        for index in self._driver_segments:
+            steps[index] = functools.partial(self._launch_noting_randomness, index,
+                                             random_segments)
+        return steps
+
+    def _launch_noting_randomness(self, index: int, random_segments: set[int]) -> None:
+        before = generator_offset(self._device)
+        self._steps[index]()
+        if generator_offset(self._device) != before:
+            random_segments.add(index)
+
+    def _driver_steps(self) -> list[Callable[[], None]]:
+        """The steps with every segment that draws no random numbers launched through the
+        driver on the current stream (rebuilt when the stream changes)."""
+        if not self._driver_segments:
+            return self._steps
+        stream = current_raw_stream(self._device)
+        if stream != self._stream:
+            steps = list(self._steps)
+            for index, segment in self._driver_segments.items():
+                if index not in self._random_segments:
+                    steps[index] = driver_launcher(segment, stream)
+            self._stream, self._stream_steps = stream, steps
+        return self._stream_steps
 
     def reset(self) -> None:
         """Release every segment and break so the graph can be captured again."""
@@ -84,6 +138,9 @@ class BreakableCUDAGraph:
             self._empty_segments.append(segment)
             return
         self._segments.append(segment)
+        if launches_through_driver(segment):
+            self._device = torch.cuda.current_device()
+            self._driver_segments[len(self._steps)] = segment
         self._steps.append(_launcher(segment))
         self._labels.append(f"segment {self._num_breaks}")
 
