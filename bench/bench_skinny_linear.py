@@ -7,9 +7,9 @@ Each call is timed inside a CUDA graph of `CALLS` calls, cycling through copies 
 weight that together exceed the L2 cache (each call reads its weight from HBM, as in a
 model). Rows carry `model`, `proj`, `rows`, `n`, `k`, `gated`, `cublas_us`, `skinny_us`,
 `skinny_over_cublas`, `floor_us` (the weight's bytes over the measured HBM bandwidth) and
-the kernel's config (`split_k`: the parts K splits into), and `engine_uses` (whether the
-engine takes the kernel for the shape: `skinny_linear.fills_device`); `--tune` sweeps configs
-per shape and row count (splits of K too, for plain projections) and keeps the best.
+the kernel's config, and `engine_uses` (whether the engine takes the kernel for the shape:
+`skinny_linear.fills_device`); `--tune` sweeps configs per shape and row count and keeps
+the best.
 JSON: bench/results/bench_skinny_linear.json.
 Run: PYTHONPATH=. python bench/bench_skinny_linear.py [--rows 1 8 16] [--models ...] [--tune]
 """
@@ -40,8 +40,6 @@ from bcg.kernels.skinny_linear import (  # noqa: E402
     CONFIGS,
     SkinnyConfig,
     fills_device,
-    k_splits,
-    multiprocessor_count,
     skinny_linear,
 )
 from bcg.models.presets import PRESETS  # noqa: E402
@@ -75,9 +73,6 @@ DTYPE = torch.bfloat16
 # each config compiles once per shape: 12 of them keep a full sweep to a few minutes
 TUNE_GRID = [SkinnyConfig(*c) for c in itertools.product([16, 32, 64], [128, 256], [4],
                                                          [3, 4])]
-# a plain projection also tries these splits of K (those that leave whole BLOCK_K steps)
-TUNE_SPLITS = [SkinnyConfig(*c) for c in itertools.product([16, 32], [128, 256], [4], [4],
-                                                           [1, 2, 4, 8])]
 
 
 def graph_us(calls: list) -> float:
@@ -137,20 +132,16 @@ def measure(model: str, proj: str, rows: int, hbm_gbs: float, tune: bool) -> dic
     x = torch.randn(rows, k, dtype=DTYPE, device="cuda")
     cublas_us = graph_us(cublas_calls(x, weights, gated))
     timings = []
-    grid = [*TUNE_GRID, *([] if gated else [c for c in TUNE_SPLITS
-                                             if k % (c.split_k * c.block_k) == 0])]
-    for config in grid if tune else [CONFIGS.gpu]:
+    for config in TUNE_GRID if tune else [CONFIGS.gpu]:
         try:
             check(x, weights[0], gated, config)
             timings.append((graph_us(skinny_calls(x, weights, gated, config)), config))
         except Exception as error:  # out of shared memory or registers: skip the config
             print(f"  {model} {proj} rows {rows} {config}: {type(error).__name__}: {error}")
     best_us, best = min(timings, key=lambda t: t[0])
-    splits = k_splits(n, k, gated, best, multiprocessor_count(weights[0].device))
     return {"model": model, "proj": proj, "rows": rows, "n": n, "k": k, "gated": gated,
             "cublas_us": cublas_us, "skinny_us": best_us, "skinny_over_cublas": best_us / cublas_us,
-            "floor_us": weight_bytes / (hbm_gbs * 1e9) * 1e6,
-            "config": {**asdict(best), "split_k": splits},
+            "floor_us": weight_bytes / (hbm_gbs * 1e9) * 1e6, "config": asdict(best),
             "tuned": tune, "engine_uses": fills_device(weights[0], gated)}
 
 

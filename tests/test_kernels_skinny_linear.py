@@ -4,8 +4,6 @@ strided input and a row count of zero; bad arguments are refused with their shap
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,45 +44,6 @@ def test_it_matches_pytorch(rows, n, k, with_bias, gated):
     out = skinny.skinny_linear(x, weight, bias, gated=gated)
     assert out.shape == (rows, n) and out.dtype == DTYPE
     assert relative_error(out, reference(x, weight, bias, gated)) <= TOLERANCE
-
-
-# (N, K, splits): K in whole steps of the interpreter's BLOCK_K (16) or the GPU's (256)
-SPLIT_SHAPES = ([(1024, 2048, 8), (1000, 3072, 4), (1024, 3072, 2)] if ON_GPU
-                else [(37, 64, 2), (32, 64, 4)])
-
-
-@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
-@pytest.mark.parametrize("n, k, splits", SPLIT_SHAPES)
-@pytest.mark.parametrize("rows", ROWS)
-def test_a_split_k_matches_pytorch_and_leaves_its_counters_zero(rows, n, k, splits, with_bias):
-    generator = torch.Generator().manual_seed(rows + n + k + splits)
-    x = rand(rows, k, generator=generator)
-    weight = rand(n, k, generator=generator)
-    bias = rand(n, generator=generator) if with_bias else None
-    config = dataclasses.replace(skinny.CONFIGS.for_device(ON_GPU), split_k=splits)
-    for _ in range(2):  # the second launch finds the counters the first one zeroed
-        out = skinny.skinny_linear(x, weight, bias, config=config)
-        assert relative_error(out, reference(x, weight, bias, False)) <= TOLERANCE
-    _, counters = skinny._split_workspace(x.device, splits, n, config.block_n)
-    assert counters.shape == (-(-n // config.block_n),) and not counters.any()
-
-
-def test_k_splits_give_a_narrow_weight_a_program_per_multiprocessor():
-    config = skinny.SkinnyConfig(32, 256, 4, 4)
-    assert skinny.k_splits(1024, 3072, False, config, 132) == 4  # 12 steps: 8 do not divide
-    assert skinny.k_splits(1024, 2048, False, config, 132) == 8
-    assert skinny.k_splits(1024, 2048, True, config, 132) == 1  # gated: whole sums
-    assert skinny.k_splits(4096, 4096, False, config, 132) == 1  # fills half the device
-    assert skinny.k_splits(1024, 1000, False, config, 132) == 1  # no whole steps to split
-    split = dataclasses.replace(config, split_k=2)
-    assert skinny.k_splits(4096, 4096, False, split, 132) == 2  # a config's own choice
-
-
-def test_a_k_that_does_not_split_into_whole_steps_is_refused():
-    config = dataclasses.replace(skinny.CONFIGS.for_device(ON_GPU), split_k=3)
-    weight = torch.zeros(32, 4 * config.block_k, dtype=DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="does not split into 3 parts"):
-        skinny.skinny_linear(weight[:1], weight, config=config)
 
 
 def test_a_strided_input_and_an_output_view():

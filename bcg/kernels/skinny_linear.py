@@ -6,12 +6,7 @@ over the memory bandwidth plus the cost of each launch. cuBLAS splits K for such
 sums the parts in a second kernel (on two H100s, qwen3-8b's o projection at tp2 takes 11.8
 µs plus a 1.7 µs reduction against 5.6 µs of weight reads). Here each program owns
 `block_n` output columns and reads the whole K for them: enough programs to fill the GPU for
-the projections of 1B-and-up models, one launch, no workspace. A weight with too few columns
-for that (qwen3-0.6b's o and down projections: 1024) splits K too, still in one launch: each
-program writes its fp32 partial sums to a workspace and the last of a column block's programs
-to finish (a counter per block, which it resets) adds them up and writes the output
-(unsplit, 0.6b's down projection took 7.5 µs on an H200 against cuBLAS's 6.6; split in
-four, 6.2 against 7.0 on an H100). The MLP's gate/up projection
+the projections of 1B-and-up models, one launch, no workspace. The MLP's gate/up projection
 can apply SiLU-and-mul to its two halves as it writes them (`gated=True`): a program owns the
 same columns of both, which saves the activation's own launch and a round trip through
 memory. (Fusing it into the down projection's input instead, recomputed by every program,
@@ -27,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.graph import CaptureNeedsWarmUp
 from bcg.kernels._launch import (
     CachedLauncher,
     DeviceConfigs,
@@ -37,7 +31,6 @@ from bcg.kernels._launch import (
 from bcg.utils import cdiv
 
 MAX_ROWS = 16  # the smallest tile tl.dot multiplies; more rows go to cuBLAS
-MAX_SPLITS = 16  # of K, for a weight with few columns
 
 
 @dataclass(frozen=True)
@@ -46,7 +39,6 @@ class SkinnyConfig:
     block_k: int  # K per loop step
     num_warps: int
     num_stages: int
-    split_k: int | None = None  # K splits of a plain projection; None: `k_splits` chooses
 
 
 # GPU default: the best of `bench/bench_skinny_linear.py --tune` on most of qwen3-8b's
@@ -55,32 +47,14 @@ CONFIGS = DeviceConfigs(gpu=SkinnyConfig(32, 256, 4, 4),
                         interpreter=SkinnyConfig(16, 16, 1, 1))
 
 
-def k_splits(n: int, k: int, gated: bool, config: SkinnyConfig, multiprocessors: int) -> int:
-    """How many parts K splits into: none if `n` columns give half the multiprocessors a
-    program (see `fills_device`), else the fewest (a power of two, whole BLOCK_K steps each)
-    that give each one a program. A gated projection never splits: its activation needs
-    whole sums."""
-    if config.split_k is not None:
-        return 1 if gated else config.split_k
-    programs = cdiv(n, config.block_n)
-    splits = 1
-    while (not gated and programs * splits < multiprocessors and splits < MAX_SPLITS
-           and k % (2 * splits * config.block_k) == 0):
-        splits *= 2
-    return 1 if 2 * programs >= multiprocessors else splits
-
-
 def fills_device(weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether `weight`'s output columns, with K split where that helps, give half the
-    multiprocessors a program (a gated one reads two weight tiles per program): fewer
-    programs cannot stream the weight at full speed. On an H200, 96 programs still beat
-    cuBLAS and 64 did not."""
-    config = CONFIGS.for_device(weight.is_cuda)
-    columns, k = weight.shape[0] // (2 if gated else 1), weight.shape[1]
-    multiprocessors = multiprocessor_count(weight.device)
-    programs = cdiv(columns, config.block_n) * k_splits(columns, k, gated, config,
-                                                        multiprocessors)
-    return 2 * programs >= multiprocessors
+    """Whether `weight` has the output columns to give half the multiprocessors a program
+    (a gated one reads two weight tiles per program): fewer programs cannot stream the
+    weight at full speed without splitting K. On an H200, 96 programs still beat cuBLAS
+    and 64 did not."""
+    columns = weight.shape[0] // (2 if gated else 1)
+    programs = cdiv(columns, CONFIGS.for_device(weight.is_cuda).block_n)
+    return 2 * programs >= multiprocessor_count(weight.device)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -115,14 +89,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if rows == 0:
         return out
     config = config or CONFIGS.for_device(x.is_cuda)
-    splits = k_splits(n, k, gated, config, multiprocessor_count(x.device))
-    if splits > 1 and k % (splits * config.block_k):
-        raise ValueError(f"skinny_linear: K={k} does not split into {splits} parts of whole "
-                         f"{config.block_k}-column steps")
-    partials, counters = _split_workspace(x.device, splits, n, config.block_n)
-    tensors = (x, weight, out, out if bias is None else bias, partials, counters)
+    tensors = (x, weight, out, out if bias is None else bias)  # out: a bias never read
     _launch(
-        (cdiv(n, config.block_n), splits),
+        (cdiv(n, config.block_n),),
         tensors,
         (rows,),
         {"N": n, "K": k, "STRIDE_X": x.stride(0), "STRIDE_W": weight.stride(0),
@@ -130,41 +99,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
          "EVEN_N": n % config.block_n == 0, "EVEN_K": k % config.block_k == 0,
          # fp32 (CPU tests) multiplies exactly; bf16 and fp16 use the tensor cores either way
          "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
-         "SPLITS": splits, "BLOCK_M": MAX_ROWS, "BLOCK_N": config.block_n,
-         "BLOCK_K": config.block_k},
+         "BLOCK_M": MAX_ROWS, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k},
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_workspace(device: torch.device, splits: int, n: int,
-                     block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partial sums and the zeroed per-block counters of a split launch (empty ones
-    for an unsplit launch), one pair per device and shape, made on first use (not during a
-    capture: zeros made there would be set only when the graph replays). Launches in stream
-    order share them safely; launches of one shape on concurrent streams would mix their
-    partial sums."""
-    key = (device, splits, n, block_n)
-    workspace = _workspaces.get(key)
-    if workspace is None:
-        if splits > 1 and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise CaptureNeedsWarmUp("skinny_linear makes the workspace of a split launch "
-                                     "during a CUDA graph capture; run the captured code "
-                                     "once eagerly first")
-        blocks = cdiv(n, block_n) if splits > 1 else 0
-        workspace = _workspaces[key] = (
-            torch.empty(splits if splits > 1 else 0, MAX_ROWS, n, device=device),
-            torch.zeros(blocks, dtype=torch.int32, device=device))
-    return workspace
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, out_ptr, bias_ptr, partials_ptr, counters_ptr,
+    x_ptr, w_ptr, out_ptr, bias_ptr,
     num_rows,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -176,20 +120,17 @@ def _skinny_linear_kernel(
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
     col_mask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half's, if gated
-    k_begin = tl.program_id(1) * (K // SPLITS)
-    for start in range(k_begin, k_begin + K // SPLITS, BLOCK_K):
+    for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x_mask = row_mask[:, None] & (ks < K)[None, :]  # a few rows: masks cost nothing
         a = tl.load(x_ptr + rows[:, None] * STRIDE_X + ks[None, :], mask=x_mask, other=0.0)
@@ -200,30 +141,6 @@ def _skinny_linear_kernel(
         if GATED:
             up = _load_tile(w_ptrs + N * STRIDE_W, w_mask, EVEN_N and EVEN_K)
             acc_up = tl.dot(a, tl.trans(up), acc_up, input_precision=PRECISION)
-    if SPLITS > 1:
-        # Every program leaves its sums; the block's last to arrive adds them all up.
-        tile = rows[:, None] * N + cols[None, :]
-        tl.store(partials_ptr + tl.program_id(1) * BLOCK_M * N + tile, acc,
-                 mask=col_mask[None, :])
-        tl.debug_barrier()  # the whole tile is stored before the counter says so
-        if tl.atomic_add(counters_ptr + block, 1, sem="acq_rel") == SPLITS - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in tl.static_range(SPLITS):
-                acc += tl.load(partials_ptr + split * BLOCK_M * N + tile,
-                               mask=col_mask[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(counters_ptr + block, 0)  # zero again for the next launch
-            _write_out(acc, acc_up, bias_ptr, out_ptr, rows, cols, row_mask, col_mask,
-                       N, STRIDE_OUT, GATED, HAS_BIAS)
-    else:
-        _write_out(acc, acc_up, bias_ptr, out_ptr, rows, cols, row_mask, col_mask,
-                   N, STRIDE_OUT, GATED, HAS_BIAS)
-
-
-@triton.jit
-def _write_out(acc, acc_up, bias_ptr, out_ptr, rows, cols, row_mask, col_mask,
-               N: tl.constexpr, STRIDE_OUT: tl.constexpr, GATED: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
-    """Bias, SiLU-and-mul where gated, and the store of the output tile."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
