@@ -146,7 +146,7 @@ def replay_parts(replay: Callable[[], None]) -> tuple[list[Callable], list[Calla
     graph = replay.__self__
     if isinstance(graph, BreakableCUDAGraph):
         replay()  # the first replay chooses each segment's launch
-        steps = list(zip(graph._driver_steps(), graph._labels, strict=True))
+        steps = list(zip(graph._replay_steps(), graph._labels, strict=True))
         return ([step for step, label in steps if label.startswith("segment")],
                 [step for step, label in steps if label.startswith("break")])
     segments = [s for s in graph._segments if isinstance(s, torch.cuda.CUDAGraph)]

@@ -17,6 +17,7 @@ class FakeDevice:
         self.log: list[str] = []
         self.stream = 7
         self.offset = 0
+        self.has_context = True
 
 
 class FakeSegment:
@@ -37,6 +38,7 @@ def device(monkeypatch) -> FakeDevice:
     monkeypatch.setattr(graph_module, "launches_through_driver", lambda segment: True)
     monkeypatch.setattr(graph_module, "generator_offset", lambda index: fake.offset)
     monkeypatch.setattr(graph_module, "current_raw_stream", lambda index: fake.stream)
+    monkeypatch.setattr(graph_module, "thread_has_context", lambda: fake.has_context)
     monkeypatch.setattr(graph_module, "driver_launcher", lambda segment, stream: (
         lambda: fake.log.append(f"driver {segment.name} on {stream}")))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -95,4 +97,14 @@ def test_a_first_replay_that_fails_is_learned_again_and_reset_forgets(device):
     assert replay_log(graph, device)[0] == "torch s0"
     assert graph._random_segments == {0}
     graph.reset()
-    assert (graph._random_segments, graph._driver_segments, graph._stream) == (None, {}, None)
+    assert (graph._random_segments, graph._driver_segments, graph._steps_by_stream) == (
+        None, {}, {})
+
+
+def test_a_thread_with_no_cuda_context_yet_replays_through_torch(device):
+    graph = make_graph(device)
+    graph.replay()
+    device.has_context = False
+    assert replay_log(graph, device) == ["torch s0", "b0", "torch s1", "b1", "torch s2"]
+    device.has_context = True
+    assert replay_log(graph, device)[2] == "driver s1 on 7"

@@ -97,7 +97,7 @@ def test_breaks_with_temporaries_and_repeated_replays(layers):
 def driver_launches(graph: BreakableCUDAGraph) -> int:
     """How many of the replay's steps launch a segment through the CUDA driver."""
     return sum(getattr(step, "func", None) is driver_launch._driver.cuGraphLaunch
-               for step in graph._stream_steps)
+               for step in graph._replay_steps())
 
 
 @pytest.mark.skipif(driver_launch._driver is None, reason="the CUDA driver is not reachable")

@@ -16,6 +16,8 @@ from bcg.graph.driver_launch import (
     driver_launcher,
     generator_offset,
     launches_through_driver,
+    plain_cuda_graph,
+    thread_has_context,
 )
 
 
@@ -43,11 +45,10 @@ class BreakableCUDAGraph:
         self._pool: Any = None
         self._num_breaks = 0
         self._captured = False
-        self._device: int | None = None  # where the driver launches segments
+        self._device: int | None = None  # where the segments were captured
         self._driver_segments: dict[int, Any] = {}  # step index -> segment
         self._random_segments: set[int] | None = None  # step indices; None until replayed
-        self._stream: int | None = None  # the stream `_stream_steps` launch on
-        self._stream_steps: list[Callable[[], None]] = []
+        self._steps_by_stream: dict[int, list[Callable[[], None]]] = {}  # raw stream -> steps
 
     @property
     def num_segments(self) -> int:
@@ -78,12 +79,14 @@ class BreakableCUDAGraph:
                 return self.replay()
         token = _replay_token.set(next_replay_token())
         try:
-            if self._random_segments is None and self._driver_segments:
+            if not self._driver_segments or not thread_has_context():
+                self._run(self._steps)  # torch's launches make the thread's context current
+            elif self._random_segments is None:
                 random_segments: set[int] = set()
                 self._run(self._learning_steps(random_segments))
                 self._random_segments = random_segments
             else:
-                self._run(self._driver_steps())
+                self._run(self._replay_steps())
         finally:
             _replay_token.reset(token)
 
@@ -113,19 +116,20 @@ class BreakableCUDAGraph:
         if generator_offset(self._device) != before:
             random_segments.add(index)
 
-    def _driver_steps(self) -> list[Callable[[], None]]:
-        """The steps with every segment that draws no random numbers launched through the
-        driver on the current stream (rebuilt when the stream changes)."""
+    def _replay_steps(self) -> list[Callable[[], None]]:
+        """The steps, every segment that draws no random numbers launched through the
+        driver on the current stream (bound once per stream)."""
         if not self._driver_segments:
             return self._steps
         stream = current_raw_stream(self._device)
-        if stream != self._stream:
+        steps = self._steps_by_stream.get(stream)
+        if steps is None:
             steps = list(self._steps)
             for index, segment in self._driver_segments.items():
                 if index not in self._random_segments:
                     steps[index] = driver_launcher(segment, stream)
-            self._stream, self._stream_steps = stream, steps
-        return self._stream_steps
+            self._steps_by_stream[stream] = steps
+        return steps
 
     def reset(self) -> None:
         """Release every segment and break so the graph can be captured again."""
@@ -138,8 +142,9 @@ class BreakableCUDAGraph:
             self._empty_segments.append(segment)
             return
         self._segments.append(segment)
-        if launches_through_driver(segment):
+        if plain_cuda_graph(segment):
             self._device = torch.cuda.current_device()
+        if launches_through_driver(segment):
             self._driver_segments[len(self._steps)] = segment
         self._steps.append(_launcher(segment))
         self._labels.append(f"segment {self._num_breaks}")
@@ -173,6 +178,6 @@ class BreakableCUDAGraph:
 def _launcher(segment: Any) -> Callable[[], None]:
     """`segment.replay`, minus torch's Python wrapper where the wrapper has nothing to do
     (no input-liveness tracker, which bcg never asks for): one frame less per segment."""
-    if isinstance(segment, torch.cuda.CUDAGraph) and getattr(segment, "_tracker", None) is None:
+    if plain_cuda_graph(segment):
         return super(torch.cuda.CUDAGraph, segment).replay
     return segment.replay
