@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 
-from bcg.utils import one_line
+from bcg.utils import invalid_unicode, one_line
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -214,16 +214,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _read_prompts(prompts: list[str]) -> list[str]:
-    """The prompts, with '-' read from standard input (once: it has one text)."""
+    """The prompts, with '-' read from standard input (once: it has one text), each checked
+    to be text a tokenizer can encode before the model loads."""
     if prompts.count(STDIN) > 1:
         raise ValueError(f"the prompt '{STDIN}' (standard input) may be given only once")
-    if STDIN not in prompts:
-        return prompts
-    text = sys.stdin.read()
-    text = text[:-1] if text.endswith("\n") else text  # `echo ... |` adds one
-    if not text.strip():
-        raise ValueError("the prompt read from standard input ('-') is empty")
-    return [text if p == STDIN else p for p in prompts]
+    if STDIN in prompts:
+        text = sys.stdin.read()
+        text = text[:-1] if text.endswith("\n") else text  # `echo ... |` adds one
+        if not text.strip():
+            raise ValueError("the prompt read from standard input ('-') is empty")
+        prompts = [text if p == STDIN else p for p in prompts]
+    for index, prompt in enumerate(prompts):
+        invalid = invalid_unicode(prompt)
+        if invalid is not None:
+            raise ValueError(f"prompt {index} {invalid}: pass UTF-8 text")
+    return prompts
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -231,8 +236,8 @@ def _sampling_params(args: argparse.Namespace):
 
     values = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
-    if args.max_tokens == 0:  # LLM(...) takes it with prompt_logprobs, which no flag asks for
-        raise ValueError("--max-tokens must be at least 1: 0 would generate nothing")
+    if args.max_tokens < 1:  # LLM(...) takes 0 with prompt_logprobs, which no flag asks for
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     return _naming_flags(list(values), lambda: SamplingParams(**values))
 
 

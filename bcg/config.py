@@ -170,6 +170,8 @@ class EngineConfig:
         if self.enforce_eager:
             self.prefill_graph = self.decode_graph = "none"
         require(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
+        require(is_int(self.seed) and -2**63 <= self.seed < 2**64,
+                f"seed must be a 64-bit integer (torch's range), got {self.seed!r}")
         require(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         require(self.tensor_parallel_size == 1 or not self.device.startswith("cuda:"),

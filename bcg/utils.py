@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import re
 import socket
+
+# A Python string holds a surrogate code point only alone: JSON's "\\ud800" escapes, and
+# bytes that are not UTF-8, read from the command line or a file ("surrogateescape"), make one.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,3 +43,21 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def invalid_unicode(text: str) -> str | None:
+    """Why `text` is not valid Unicode (no tokenizer can encode it), or None: where its
+    first lone UTF-16 surrogate is."""
+    found = LONE_SURROGATE.search(text)
+    if found is None:
+        return None
+    return (f"holds a lone UTF-16 surrogate (\\u{ord(found.group()):04x}) at character "
+            f"{found.start()}, which is not valid Unicode (bytes that are not UTF-8, read "
+            "from the command line or a file, arrive as such)")
+
+
+@functools.cache
+def warn_once(logger_name: str, message: str) -> None:
+    """Log `message` as a warning once a process (the command line resolves a model before
+    its engine does it again)."""
+    logging.getLogger(logger_name).warning(message)

@@ -105,6 +105,7 @@ def test_a_tiny_temperature_samples_greedily(llm):
     (dict(max_tokens=-1), "max_tokens"),
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(seed=2**64), "seed"),
+    (dict(stop=["ok", "\udcff"]), "stop string 1 holds a lone UTF-16 surrogate"),
 ])
 def test_every_field_is_checked_by_name(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -213,7 +213,9 @@ def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
     (["generate", "--temperature", "-1", "hi"], "--temperature"),
     (["generate", "--block-size", "0", "hi"], "--block-size"),
     (["generate", "--max-tokens", "abc", "hi"], "--max-tokens"),
-    (["generate", "--max-tokens", "-1", "hi"], "--max-tokens"),
+    (["generate", "--max-tokens", "-1", "hi"], "--max-tokens must be at least 1, got -1"),
+    (["generate", "--seed", str(2**70), "hi"], "--seed must be a 64-bit integer"),
+    (["generate", "--stop", "\udcff", "hi"], "--stop string 0 holds a lone UTF-16 surrogate"),
     (["generate", "--max-tokens", "0", "hi"], "--max-tokens must be at least 1"),
     (["generate", "--top-p", "0", "hi"], "--top-p"),
     (["generate", "--temperature", "nan", "hi"], "--temperature"),
@@ -247,6 +249,22 @@ def test_a_preset_without_a_tokenizer_is_refused_before_its_weights_load(monkeyp
                             "hi"], capsys)
     assert code == 2
     assert_one_line_error(err, "qwen3-0.6b has no tokenizer", "--tokenizer")
+
+
+@pytest.mark.parametrize("argv,stdin,index", [
+    (["generate", "ok", "caf\udce9"], "", 1),  # a byte that is not UTF-8, as argv decodes it
+    (["generate", "--chat", "-"], "\udcff\udcfe", 0),
+])
+def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads(monkeypatch, capsys, argv,
+                                                                    stdin, index):
+    def load(*args, **kwargs):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr("bcg.engine.llm.LLM.__init__", load)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2
+    assert_one_line_error(err, f"prompt {index} holds a lone UTF-16 surrogate", "UTF-8 text")
 
 
 def test_engine_errors_at_start_up_print_one_line(capsys):

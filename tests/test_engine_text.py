@@ -178,6 +178,17 @@ def test_empty_and_too_long_prompts_are_refused(llm):
     assert len(ok.outputs[0].token_ids) == 2
 
 
+def test_text_that_is_not_valid_unicode_is_refused_by_name(llm):
+    with pytest.raises(ValueError, match=r"prompt 1: the prompt holds a lone UTF-16 surrogate "
+                                         r"\(\\udcff\) at character 5"):
+        llm.generate(["Hello", "Once \udcff"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="message 1: its content holds a lone UTF-16 surrogate"):
+        llm.chat([{"role": "user", "content": "hi"},
+                  {"role": "user", "content": [{"type": "text", "text": "caf\udce9"}]}], GREEDY,
+                 use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_eos_ends_the_request_unless_ignored(llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     [stopped] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)

@@ -12,6 +12,7 @@ from bcg.loader.model_source import resolve_model
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 from bcg.models.registry import model_class
+from bcg.utils import warn_once
 from tests.hf_tiny import save_tiny_model
 
 
@@ -158,12 +159,25 @@ def test_hf_overrides_change_the_config_of_every_kind_of_source(tmp_path, caplog
     for model in ("qwen3-8b", str(tmp_path), str(builtin_gguf_path())):
         config = EngineConfig(model=model, hf_overrides=overrides).model_source().config
         assert (config.num_hidden_layers, config.max_position_embeddings) == (1, 64)
+    warn_once.cache_clear()  # an earlier test may have drawn the same warning
     with caplog.at_level("WARNING"):
         resolve_model("qwen3-8b", hf_overrides={"num_hidden_layer": 1})
     assert "hf_overrides sets num_hidden_layer, which preset qwen3-8b does not have" in caplog.text
     with pytest.raises(ValueError, match=r"preset qwen3-8b with hf_overrides \{'num_hidden_"
                                          r"layers': 0\}: num_hidden_layers must be a positive"):
         resolve_model("qwen3-8b", hf_overrides={"num_hidden_layers": 0})
+
+
+def test_a_preset_named_without_dummy_weights_warns_once(caplog):
+    warn_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        resolve_model("qwen3-0.6b")
+        resolve_model("qwen3-0.6b")  # as the command line and then its engine do
+        resolve_model("qwen3-8b", dummy_weights=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "qwen3-0.6b is a preset: random weights" in warnings[0]
+    assert "--load-format dummy" in warnings[0]
 
 
 def test_hf_overrides_that_change_shapes_load_dummy_weights_only(tmp_path):

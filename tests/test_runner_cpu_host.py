@@ -184,6 +184,16 @@ def test_too_many_torch_threads_are_named(monkeypatch):
     assert host.cores_contention() is None
 
 
+def test_tensor_parallel_ranks_on_too_few_cores_are_named_not_blamed_on_others(monkeypatch):
+    monkeypatch.setattr(host, "_affinity", lambda: {0, 1})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(host, "_others_busy_cores", lambda cores, seconds: 1.8)  # the ranks
+    message = host.cores_contention(ranks=3)
+    assert "tensor parallel size 3 runs 3 processes of 1 torch thread on 2 cores" in message
+    assert "other processes" not in message
+    assert host.cores_contention(ranks=2) is None
+
+
 def test_other_processes_busy_on_our_cores_are_seen():
     cores = sorted(os.sched_getaffinity(0))
     spin = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
@@ -200,7 +210,7 @@ def test_other_processes_busy_on_our_cores_are_seen():
 
 def test_the_warning_is_one_line_once_per_process(monkeypatch, caplog):
     monkeypatch.setattr(host, "_cores_checked", False)
-    monkeypatch.setattr(host, "cores_contention", lambda: "CPU cores are oversubscribed: x")
+    monkeypatch.setattr(host, "cores_contention", lambda ranks: "CPU cores are oversubscribed: x")
     with caplog.at_level(logging.WARNING, logger="bcg.runner.host"):
         host.warn_if_cores_contended()
         host.warn_if_cores_contended()

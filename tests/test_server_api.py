@@ -195,6 +195,32 @@ def test_chat_names_its_own_fields_for_sampling_errors(server):
     error = server.error("/v1/chat/completions", {"messages": QUESTION,
                                                   "max_completion_tokens": -1})
     assert error["param"] == "max_completion_tokens"
+    assert error["message"].startswith("max_completion_tokens must be")
+
+
+WRONG_FORMS = [  # (path, body, param, message)
+    ("/v1/completions", {"prompt": 123}, "prompt", "prompt: must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt", "one form for the whole list"),
+    ("/v1/completions", {"prompt": ["a", [1, 2]]}, "prompt", "one form for the whole list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 123}]},
+     "messages.0.content", "messages.0.content: must be a string or a list of text parts"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ""}, "stop", "non-empty strings"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,message", WRONG_FORMS,
+                         ids=[str(list(w[1].values())[-1]) for w in WRONG_FORMS])
+def test_a_field_of_the_wrong_form_gets_one_message(server, path, body, param, message):
+    error = server.error(path, {"model": MODEL, "max_tokens": 1, **body})
+    assert message in error["message"] and error["param"] == param
+    assert error["message"].count(";") == 0, "one message, not one per member of a union"
+
+
+def test_a_body_that_is_not_utf8_is_named(server):
+    response = httpx.post(f"{server.base}/v1/completions", content=b'{"prompt": "hi \xff\xfe"}',
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400
+    assert "the body is not valid UTF-8 (byte 15)" in response.json()["error"]["message"]
 
 
 def test_an_empty_prompt_of_a_batch_is_named_by_its_index(server):

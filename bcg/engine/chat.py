@@ -11,6 +11,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from bcg.config import require, require_field
+from bcg.utils import invalid_unicode
 
 TEXT_PART = "{'type': 'text', 'text': ...}"
 # Names chat_template_kwargs may not set: the arguments of apply_chat_template (some of them
@@ -87,6 +88,13 @@ def _template_message(index: int, message: Any) -> dict[str, Any]:
 
 
 def _content_text(index: int, content: Any) -> str:
+    text = _joined_parts(index, content)
+    invalid = invalid_unicode(text)
+    require(invalid is None, f"message {index}: its content {invalid}: pass UTF-8 text")
+    return text
+
+
+def _joined_parts(index: int, content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     require(isinstance(content, list) and all(isinstance(p, Mapping) for p in content),

@@ -34,7 +34,7 @@ from bcg.loader.tokenizer import load_tokenizer
 from bcg.runner.model_runner import StepResult
 from bcg.runner.startup import resolve_max_model_len, start_runner
 from bcg.timing import startup_step, take_startup_steps
-from bcg.utils import is_int
+from bcg.utils import invalid_unicode, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,10 @@ def prefix_caching_enabled(config: EngineConfig, num_state_slots: int) -> bool:
 
 
 NAME_A_TOKENIZER = "name one (tokenizer=... in Python, --tokenizer on the command line)"
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token" if count == 1 else f"{count} tokens"
 
 
 class BadPromptError(ValueError):
@@ -332,6 +336,8 @@ class LLMEngine:
             require(prompt != "", "the prompt is empty")
             require(self.tokenizer is not None, f"this model has no tokenizer, which text "
                     f"needs: send token ids, or {NAME_A_TOKENIZER}")
+            invalid = invalid_unicode(prompt)
+            require(invalid is None, f"the prompt {invalid}: pass UTF-8 text")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         require(isinstance(prompt, list | tuple) and all(is_int(t) for t in prompt),
                 "a prompt must be a string or a list of token ids (int)")
@@ -428,15 +434,15 @@ class LLMEngine:
         require_field("logit_bias", not bad_bias, f"logit_bias names token ids {bad_bias[:5]} "
                       f"outside the vocabulary [0, {vocab_size})")
         require(len(token_ids) + params.max_tokens <= self.max_model_len,
-                f"the prompt's {len(token_ids)} tokens plus max_tokens={params.max_tokens} "
+                f"the prompt's {_tokens(len(token_ids))} plus max_tokens={params.max_tokens} "
                 f"exceed max_model_len={self.max_model_len}: lower max_tokens or shorten the "
                 "prompt")
 
     def _up_to_max_model_len(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """`params` with max_tokens=None made the room max_model_len leaves after the prompt."""
         room = self.max_model_len - prompt_len
-        how = "fill" if room == 0 else "exceed"
-        require(room > 0, f"the prompt's {prompt_len} tokens {how} max_model_len="
+        how = ("fill" if room == 0 else "exceed") + ("s" if prompt_len == 1 else "")
+        require(room > 0, f"the prompt's {_tokens(prompt_len)} {how} max_model_len="
                 f"{self.max_model_len}, which leaves no room to generate: shorten the prompt")
         require_field("min_tokens", params.min_tokens <= room,
                       f"min_tokens={params.min_tokens} is more than the {room} tokens "

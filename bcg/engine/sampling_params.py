@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from bcg.config import require_field
 from bcg.layers.sampler import MAX_LOGPROBS
-from bcg.utils import is_int, is_number
+from bcg.utils import invalid_unicode, is_int, is_number
 
 
 @dataclass
@@ -41,6 +41,10 @@ class SamplingParams:
                       all(isinstance(s, str) and s for s in self.stop),
                       f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
+        for index, stop in enumerate(self.stop):
+            invalid = invalid_unicode(stop)
+            require_field("stop", invalid is None,
+                          f"stop string {index} {invalid}: no text could ever match it")
         require_field("stop_token_ids", isinstance(self.stop_token_ids, list | tuple) and
                       all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                       f"stop_token_ids must be a list of token ids (integers >= 0), got "

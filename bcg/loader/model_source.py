@@ -28,7 +28,7 @@ from bcg.loader.hf_folder import iter_safetensors, read_generation_eos, read_hf_
 from bcg.models.config import ModelConfig
 from bcg.models.presets import PRESETS
 from bcg.models.registry import ARCHITECTURES
-from bcg.utils import is_int, one_line
+from bcg.utils import is_int, one_line, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,12 @@ def resolve_model(model: str | None, dummy_weights: bool = False,
     source.hf_overrides = hf_overrides or {}
     if dummy_weights:
         source.weights = None
+    if model in PRESETS and dummy_weights:
+        logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
+    elif model in PRESETS:  # whoever names one by mistake for the real model must hear it
+        warn_once(__name__, f"{model} is a preset: random weights and no tokenizer, so what "
+                  "it generates is noise. Pass --load-format dummy (load_format='dummy') to "
+                  "ask for that, or a model folder, .gguf file or Hub id for real weights")
     return source
 
 
@@ -73,7 +79,6 @@ def _resolve_weights(model: str | None, overrides: dict) -> ModelSource:
     if model is None:
         return _gguf_source(builtin_gguf_path(), BUILTIN_NAME, overrides)
     if model in PRESETS:
-        logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
         config = _model_config(PRESETS[model], f"preset {model}", overrides)
         return ModelSource(model, config, None, None)
     kind, path = classify_name(model, "model")
@@ -177,8 +182,8 @@ def _model_config(hf_config: dict, origin: Path | str, overrides: dict) -> Model
 def _overridden(hf_config: dict, overrides: dict, origin: Path | str) -> dict:
     absent = sorted(set(overrides) - set(hf_config))
     if absent:  # a typo, or a field with a default that the model reads: both are allowed
-        logger.warning("hf_overrides sets %s, which %s does not have: a field the model does "
-                       "not read changes nothing", ", ".join(absent), origin)
+        warn_once(__name__, f"hf_overrides sets {', '.join(absent)}, which {origin} does not "
+                  "have: a field the model does not read changes nothing")
     return {**hf_config, **overrides}
 
 

@@ -63,28 +63,36 @@ def cpu_kv_cache_budget(asked: bool, taken: int = 0) -> tuple[int, str]:
     return max(0, budget - taken), why
 
 
-def warn_if_cores_contended() -> None:
-    """Log one warning, once per process, if this process's cores are oversubscribed."""
+def warn_if_cores_contended(ranks: int = 1) -> None:
+    """Log one warning, once per process, if this process's cores are oversubscribed
+    (`ranks`: the tensor-parallel ranks sharing them, this one included)."""
     global _cores_checked
     if _cores_checked:
         return
     _cores_checked = True
-    message = cores_contention()
+    message = cores_contention(ranks=ranks)
     if message:
         logger.warning(message)
 
 
-def cores_contention(sample_seconds: float = 0.05) -> str | None:
-    """Why the CPU steps will be slow, or None: torch runs more threads than this process
-    has cores (os.sched_getaffinity), or other processes keep most of those cores busy
-    (measured from /proc/stat over `sample_seconds`, minus this process's own CPU time)."""
+def cores_contention(sample_seconds: float = 0.05, ranks: int = 1) -> str | None:
+    """Why the CPU steps will be slow, or None: the `ranks` tensor-parallel ranks together
+    run more torch threads than this process has cores (os.sched_getaffinity), or other
+    processes keep most of those cores busy (measured from /proc/stat over
+    `sample_seconds`, minus this process's own CPU time and what the other ranks' threads
+    may take)."""
     cores = _affinity()
     threads = torch.get_num_threads()
     problems = []
-    if threads > len(cores):
+    if ranks > 1 and ranks * threads > len(cores):
+        problems.append(f"tensor parallel size {ranks} runs {ranks} processes of {threads} "
+                        f"torch thread{'s' if threads > 1 else ''} on {len(cores)} cores")
+    elif threads > len(cores):
         problems.append(f"torch runs {threads} threads but this process may use only "
                         f"{len(cores)} cores (os.sched_getaffinity)")
     busy = _others_busy_cores(cores, sample_seconds)
+    if busy is not None:
+        busy -= min(busy, (ranks - 1) * threads)  # the other ranks are meant to be busy
     if busy is not None and busy > BUSY_SHARE * len(cores):
         problems.append(f"other processes keep {busy:.1f} of the {len(cores)} cores available "
                         "to this process busy")

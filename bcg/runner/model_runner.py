@@ -375,7 +375,7 @@ class ModelRunner:
     def _local_num_kv_blocks(self, config: EngineConfig, max_model_len: int,
                              reserved_bytes: int) -> int:
         if self.device.type != "cuda":
-            warn_if_cores_contended()
+            warn_if_cores_contended(config.tensor_parallel_size)
         if config.kv_cache_tokens is not None:
             return cdiv(config.kv_cache_tokens, self.block_size)
         if self.device.type != "cuda":

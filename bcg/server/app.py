@@ -209,7 +209,8 @@ class _Server:
         try:
             params = body.sampling_params()
         except FieldError as error:
-            raise ApiError(str(error), param=body.param_of(error.field)) from error
+            param = body.param_of(error.field)
+            raise ApiError(_named_as(str(error), error.field, param), param=param) from error
         echo = isinstance(body, CompletionRequest) and body.echo
         echoes: dict[int, EchoText] = {}  # prompt index -> its echo strings
 
@@ -226,8 +227,12 @@ class _Server:
             ids = await self.engine_loop.add(engine_prompts, make_params, outputs)
         except BadPromptError as error:  # named by the body's prompt, not the engine's request
             where = f"prompt {error.index // n}: " if len(prompts) > 1 else ""
-            param = body.prompt_field if error.field is None else body.param_of(error.field)
-            raise ApiError(where + error.reason, param=param) from error
+            if error.field is None:
+                reason, param = error.reason, body.prompt_field
+            else:
+                param = body.param_of(error.field)
+                reason = _named_as(error.reason, error.field, param)
+            raise ApiError(where + reason, param=param) from error
         except ValueError as error:
             raise ApiError(str(error)) from error
         return _Run(self.engine_loop, body, self.model_name, engine_prompts, ids, outputs,
@@ -626,7 +631,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        cause = error.__cause__
+        if isinstance(cause, UnicodeDecodeError):  # FastAPI's message would say only "error"
+            return _error_response(f"the body is not valid UTF-8 (byte {cause.start}): send "
+                                   "JSON encoded as UTF-8", 400)
         return _error_response(str(error.detail), error.status_code, headers=error.headers)
+
+
+def _named_as(message: str, field: str, param: str) -> str:
+    """A sampling param's message opens with its name: the body's name for it instead
+    (max_completion_tokens is max_tokens to the engine)."""
+    if param != field and message.startswith(field):
+        return param + message[len(field):]
+    return message
 
 
 def _describe(problem: dict) -> str:

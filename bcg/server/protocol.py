@@ -22,9 +22,9 @@ from pydantic_core import PydanticCustomError
 from bcg.engine.chat import ChatOptions
 from bcg.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from bcg.server.engine_loop import ChatPrompt
+from bcg.utils import LONE_SURROGATE
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class StrictModel(BaseModel):
@@ -35,6 +35,10 @@ class StrictModel(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         _check_unicode(data, "")
         return data
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
 
 
 def _check_unicode(value: Any, path: str) -> None:
@@ -159,7 +163,7 @@ class SamplingFields(StrictModel):
             logit_bias=self.logit_bias or None,
             max_tokens=max_tokens,
             min_tokens=_default(self.min_tokens, 0),
-            stop=self.stop or [],
+            stop=_default(self.stop, []),
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=bool(self.ignore_eos),
             skip_special_tokens=_default(self.skip_special_tokens, True),
@@ -175,6 +179,16 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt_form(cls, value: Any) -> Any:
+        """One message for any wrong form (else one per member of the union, per element)."""
+        if isinstance(value, str) or _token_ids(value) or (isinstance(value, list) and (
+                all(isinstance(p, str) for p in value) or all(_token_ids(p) for p in value))):
+            return value
+        raise ValueError("must be a string, a list of strings, a list of token ids (integers) "
+                         "or a list of token-id lists, one form for the whole list")
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS  # as in vLLM: null is no cap
     echo: bool | None = False  # the response's text (and logprobs) start with the prompt's
     logprobs: int | None = None  # logprobs of each token and of this many alternatives
@@ -221,6 +235,14 @@ class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None  # OpenAI's: only an assistant's may be null
     name: str | None = None  # passed to the chat template, which may use it
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_or_parts(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str | list):
+            return value  # a list's parts are checked one by one
+        raise ValueError("must be a string or a list of text parts ({'type': 'text', "
+                         "'text': ...})")
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
