@@ -98,10 +98,10 @@ def cores_contention(sample_seconds: float = 0.05, ranks: int = 1) -> str | None
                         "to this process busy")
     if not problems:
         return None
-    return ("CPU cores are oversubscribed: " + "; ".join(problems) + f". The {threads} torch "
-            "threads and the other work fight over the cores and every step slows down: give "
-            "each process its own cores (taskset) or fewer threads (OMP_NUM_THREADS, "
-            "torch.set_num_threads)")
+    return ("CPU cores are oversubscribed: " + "; ".join(problems) + ". Torch's threads "
+            "and the other work fight over the cores and every step slows down: give each "
+            "process its own cores (taskset) or fewer threads (OMP_NUM_THREADS, "
+            "torch.set_num_threads)" + (", or run fewer ranks" if ranks > 1 else ""))
 
 
 def _affinity() -> set[int]:
