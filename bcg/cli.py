@@ -24,6 +24,7 @@ EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 STDIN = "-"
+DEFAULT_MAX_TOKENS = 256
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -83,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="treat each prompt as a user message in the chat template")
     generate.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
     sampling = generate.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=256, help="most new tokens (256)")
+    sampling.add_argument("--max-tokens", type=int, default=None,
+                          help=f"most new tokens (default: {DEFAULT_MAX_TOKENS}, or what "
+                          "--max-model-len leaves after the prompt if that is less)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="0 is greedy (the default); higher is more random")
     sampling.add_argument("--top-p", type=float, default=1.0,
@@ -141,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:  # the machine refused (a port in use, a file not readable)
         print(f"bcg: error: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILED
+    except RuntimeError as error:
+        from bcg.distributed.launcher import TensorParallelError  # torch is loaded by now
+
+        if not isinstance(error, TensorParallelError):
+            raise
+        print(f"bcg: error: {one_line(error)}", file=sys.stderr)  # it names the rank and why
+        return EXIT_FAILED
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -153,19 +163,33 @@ def _generate(args: argparse.Namespace) -> int:
     from bcg.engine.llm import LLM
 
     llm = LLM(**dataclasses.asdict(config))
+    each = [params] * len(prompts)
+    if args.max_tokens is None:
+        each = _default_max_tokens(llm, prompts, params, args.chat)
     if len(prompts) == 1:
-        return _stream(llm, prompts[0], params, args.chat)
+        return _stream(llm, prompts[0], each[0], args.chat)
     use_tqdm = not args.no_progress
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=use_tqdm)
+        outputs = llm.chat(conversations, each, use_tqdm=use_tqdm)
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = llm.generate(prompts, each, use_tqdm=use_tqdm)
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"### {prompt}")
         text = output.outputs[0].text
         print(text if args.chat else prompt + text)
     return 0
+
+
+def _default_max_tokens(llm, prompts: list[str], params, chat: bool) -> list:
+    """`params` per prompt with --max-tokens left out: DEFAULT_MAX_TOKENS, or the room
+    max_model_len leaves after the prompt if less (a prompt with no room keeps 1, which the
+    engine refuses by name)."""
+    lengths = [len(llm.apply_chat_template([{"role": "user", "content": p}]) if chat
+                   else llm.engine.tokenize(p)) for p in prompts]
+    room = llm.engine.max_model_len
+    return [dataclasses.replace(params, max_tokens=max(1, min(DEFAULT_MAX_TOKENS, room - n)))
+            for n in lengths]
 
 
 def _stream(llm, prompt: str, params, chat: bool) -> int:
@@ -234,10 +258,11 @@ def _read_prompts(prompts: list[str]) -> list[str]:
 def _sampling_params(args: argparse.Namespace):
     from bcg.engine.sampling_params import SamplingParams
 
+    max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     values = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
-    if args.max_tokens < 1:  # LLM(...) takes 0 with prompt_logprobs, which no flag asks for
-        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+                  max_tokens=max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    if max_tokens < 1:  # LLM(...) takes 0 with prompt_logprobs, which no flag asks for
+        raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     return _naming_flags(list(values), lambda: SamplingParams(**values))
 
 

@@ -1,6 +1,7 @@
 """vLLM's Python API: exports, output shape, SamplingParams' fields and checks, logprobs,
 prompt logprobs, penalties and the rest of sampling, on a tiny random Qwen3 (CPU, fp32)."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -117,6 +118,16 @@ def test_engine_flags_as_vllm_spells_them():
     assert EngineConfig(dtype="float").dtype == "float32"
     eager = EngineConfig(enforce_eager=True)
     assert (eager.prefill_graph, eager.decode_graph) == ("none", "none")
+
+
+def test_none_means_a_fields_default_as_in_vllm(tiny):
+    llm = LLM(model=str(tiny[0]), device="cpu", max_model_len=64, max_num_batched_tokens=None,
+              block_size=None, seed=None)
+    assert llm.engine.config.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    # the rule holds only while every field that may be None has None as its default
+    for f in dataclasses.fields(EngineConfig):
+        if "None" in str(f.type):
+            assert f.default is None, f.name
 
 
 def test_enforce_eager_runs(tiny):

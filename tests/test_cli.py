@@ -149,6 +149,27 @@ def test_generate_answers_a_question_with_the_builtin_model(capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("prompts", [["Hello"], ["Hello", "Tell me a long story"]])
+def test_the_default_max_tokens_fits_a_small_max_model_len(monkeypatch, capsys, prompts):
+    """Left out, --max-tokens is 256 or the room the prompt leaves, whichever is less: a
+    max_model_len under 256 still generates, up to its end."""
+    require_builtin_model()
+    from bcg.engine.llm_engine import LLMEngine
+
+    asked = []  # (prompt tokens, max_tokens) of each request
+    add_request = LLMEngine.add_request
+
+    def recording(self, prompt, params):
+        asked.append((len(self.tokenize(prompt)), params.max_tokens))
+        return add_request(self, prompt, params)
+
+    monkeypatch.setattr(LLMEngine, "add_request", recording)
+    code = main(["generate", "--device", "cpu", "--max-model-len", "24", "--ignore-eos",
+                 "--no-progress", *prompts])
+    assert code == 0, capsys.readouterr().err
+    assert [max_tokens for _, max_tokens in asked] == [24 - length for length, _ in asked]
+
+
 class RecordingStdout(io.StringIO):
     """stdout that remembers each write, to see text arrive in pieces."""
 
@@ -334,6 +355,27 @@ def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
     for argv in (["generate", "hi"], ["serve"]):
         code, _, err = run_cli(argv, capsys)
         assert (code, err) == (130, "bcg: interrupted\n")
+
+
+def test_a_failed_rank_is_one_line_and_other_runtime_errors_are_not_hidden(monkeypatch, capsys):
+    from bcg.distributed.launcher import TensorParallelError
+    from bcg.engine import llm as llm_module
+
+    def rank_died(*args, **kwargs):
+        raise TensorParallelError("tensor-parallel rank 2 failed: its process exited with "
+                                  "code -9")
+
+    monkeypatch.setattr(llm_module, "LLM", rank_died)
+    code, _, err = run_cli(["generate", "hi"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "tensor-parallel rank 2 failed", "code -9")
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(llm_module, "LLM", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_cli(["generate", "hi"], capsys)
 
 
 def test_ctrl_c_while_streaming_exits_130_without_a_traceback():

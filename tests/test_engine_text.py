@@ -189,6 +189,16 @@ def test_text_that_is_not_valid_unicode_is_refused_by_name(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_bytes_that_never_make_a_character_end_the_text_as_replacement_characters(llm):
+    """SmolLM2 answers repeated emoji with halves of one (two tokens a character, the pair
+    never completed): the text is what a full decode gives, not empty."""
+    [out] = llm.generate(["\U0001f642" * 12], SamplingParams(temperature=0, max_tokens=16),
+                         use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text and completion.text == llm.get_tokenizer().decode(
+        completion.token_ids)
+
+
 def test_eos_ends_the_request_unless_ignored(llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     [stopped] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)

@@ -6,6 +6,7 @@ The server runs `serve()` with small `ServerSettings` (limits, a fast stats inte
 short grace period) in a subprocess whose log goes to a file the tests read.
 """
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -46,7 +47,7 @@ from bcg.server.serve import ServerSettings, serve
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 settings = ServerSettings(max_request_body_bytes={BODY_LIMIT},
                           max_sequences_per_request={SEQUENCE_LIMIT},
-                          graceful_shutdown_seconds=1.0, log_stats_interval=0.5)
+                          graceful_shutdown_seconds=float(sys.argv[2]), log_stats_interval=0.5)
 serve(EngineConfig(device="cpu", max_model_len={MAX_MODEL_LEN}), "127.0.0.1", int(sys.argv[1]),
       None, settings)
 """
@@ -86,13 +87,15 @@ class Server:
             "tokens"]
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def started_server(graceful_shutdown_seconds: float):
+    """A `bcg serve` process of the built-in model, stopped (SIGTERM) if still running."""
     require_builtin_model()
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port)], stdout=log,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER_SCRIPT, str(port), str(graceful_shutdown_seconds)],
+        stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(base, process, log)
@@ -106,6 +109,12 @@ def server():
                 process.kill()
                 raise
     assert process.returncode == 0, f"the server exited with {process.returncode}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with started_server(graceful_shutdown_seconds=1.0) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -647,7 +656,9 @@ def test_a_busy_or_invalid_port_is_one_line_naming_it(monkeypatch):
 # --- 6. shutdown (last: it stops the module's server) -----------------------------------
 
 
-def test_shutdown_ends_streams_and_responses_with_abort(server):
+def requests_cut_by(server: Server, *signals: signal.Signals) -> tuple[list[dict], list[dict]]:
+    """A long stream and a long plain request running when the server gets `signals` (a
+    fraction of a second apart): the stream's chunks and the plain response."""
     long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
             "ignore_eos": True}
     streamed: list[dict] = []
@@ -669,10 +680,29 @@ def test_shutdown_ends_streams_and_responses_with_abort(server):
     for thread in threads:
         thread.start()
     assert started.wait(60), "the stream never started"
-    time.sleep(0.5)
-    server.process.send_signal(signal.SIGTERM)
+    for sig in signals:
+        time.sleep(0.5)
+        server.process.send_signal(sig)
     for thread in threads:
         thread.join(60)
+    return streamed, full
+
+
+def test_a_second_ctrl_c_aborts_requests_at_once_and_exits_cleanly():
+    with started_server(graceful_shutdown_seconds=60.0) as server:
+        start = time.monotonic()
+        streamed, full = requests_cut_by(server, signal.SIGINT, signal.SIGINT)
+        assert server.process.wait(timeout=30) == 0
+        assert time.monotonic() - start < 30, "the second SIGINT waited out the grace period"
+        assert streamed[-1]["choices"][0]["finish_reason"] == "abort"
+        assert full[0]["choices"][0]["finish_reason"] == "abort"
+        log = server.log_text()
+        assert "SIGINT again: aborting the requests in flight now" in log
+        assert "Traceback" not in log and "terminate called" not in log
+
+
+def test_shutdown_ends_streams_and_responses_with_abort(server):
+    streamed, full = requests_cut_by(server, signal.SIGTERM)
     assert server.process.wait(timeout=30) == 0
     assert streamed[-1]["choices"][0]["finish_reason"] == "abort"
     assert all(c["choices"][0]["finish_reason"] is None for c in streamed[:-1])

@@ -20,7 +20,10 @@ class IncrementalDetokenizer:
         """`backend`: the tokenizer's Rust `tokenizers.Tokenizer` (see `fast_backend`);
         `include_stop_str`: the text keeps the stop string that ended it."""
         self.backend = backend
+        self.skip_special_tokens = skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # Tokens whose bytes do not yet end a character (the stream holds them back).
+        self.undecoded: list[int] = []
         self.stop = stop
         self.include_stop_str = include_stop_str
         self.max_stop_len = max((len(s) for s in stop), default=0)
@@ -32,13 +35,21 @@ class IncrementalDetokenizer:
         With `may_stop` False (before min_tokens) stop strings are not looked for."""
         new_text = self.stream.step(self.backend, token_id)
         if not new_text:
+            self.undecoded.append(token_id)
             return False
+        self.undecoded.clear()
         search_from = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += new_text
         return may_stop and self._cut_at_stop(search_from)
 
     def visible_text(self, finished: bool) -> str:
-        """Text safe to show: while running, a tail that may start a stop string is held back."""
+        """Text safe to show: while running, a tail that may start a stop string is held back;
+        once finished, the whole text, bytes that never made a whole character decoded as
+        U+FFFD (as a full decode gives them), not dropped."""
+        if finished and self.undecoded:
+            self.text += self.backend.decode(self.undecoded,
+                                             skip_special_tokens=self.skip_special_tokens)
+            self.undecoded.clear()
         if finished or not self.max_stop_len:
             return self.text
         return self.text[: max(0, len(self.text) - self.max_stop_len + 1)]

@@ -25,10 +25,13 @@ logger = logging.getLogger(__name__)
 
 
 class LLM:
-    """`LLM(model=..., **engine_args)`; the arguments are the fields of `EngineConfig`."""
+    """`LLM(model=..., **engine_args)`; the arguments are the fields of `EngineConfig`, None
+    meaning a field's default (as vLLM's `LLM` takes it; every field that may be None has
+    None as its default)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        given = {name: value for name, value in engine_args.items() if value is not None}
+        self.engine = LLMEngine(EngineConfig(model=model, **given))
 
     def close(self) -> None:
         """End the engine's tensor-parallel workers (also done when the `LLM` is collected

@@ -374,7 +374,7 @@ class ModelRunner:
 
     def _local_num_kv_blocks(self, config: EngineConfig, max_model_len: int,
                              reserved_bytes: int) -> int:
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and tensor_parallel().rank == 0:  # one warning, not N
             warn_if_cores_contended(config.tensor_parallel_size)
         if config.kv_cache_tokens is not None:
             return cdiv(config.kv_cache_tokens, self.block_size)

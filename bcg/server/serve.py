@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
@@ -133,22 +134,35 @@ def _enable_server_logs() -> None:
 
 def _server_exiting_cleanly(server_class: type) -> type:
     """uvicorn's Server, except that a SIGINT/SIGTERM aborts the requests still running
-    after the grace period, and the process then exits 0 (uvicorn would re-raise the signal
-    and die of it)."""
+    after the grace period, a second one aborts them at once, and the process then exits 0
+    (uvicorn would re-raise the signal and die of it). Only a third signal stops the process
+    where it stands: uvicorn's forced exit cancels the requests' tasks mid-flight (their
+    clients get cut-off responses) and leaves the engine thread running into interpreter
+    exit, which aborts the process."""
 
     class Server(server_class):
+        signals_seen = 0
+
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
-                state = self.config.app.state
-                grace = state.settings.graceful_shutdown_seconds
-                snap = state.engine_loop.snapshot
+            self.signals_seen += 1
+            name, engine_loop = signal.Signals(sig).name, self.config.app.state.engine_loop
+            if self.signals_seen == 1:
+                grace = self.config.app.state.settings.graceful_shutdown_seconds
+                snap = engine_loop.snapshot
                 logger.info("%s: shutting down; %d requests in flight get %.1f s to finish, "
-                            "then are aborted", signal.Signals(sig).name,
+                            "then are aborted (send it again to abort them now)", name,
                             snap.num_running + snap.num_waiting, grace)
-                timer = threading.Timer(grace, state.engine_loop.end_all)
+                timer = threading.Timer(grace, engine_loop.end_all)
                 timer.daemon = True
                 timer.start()
-            super().handle_exit(sig, frame)
+                super().handle_exit(sig, frame)
+            elif self.signals_seen == 2:
+                logger.info("%s again: aborting the requests in flight now (a third one exits "
+                            "at once)", name)
+                engine_loop.end_all()
+            else:
+                logger.warning("%s a third time: exiting without finishing the shutdown", name)
+                os._exit(128 + sig)
 
         @contextlib.contextmanager
         def capture_signals(self):
