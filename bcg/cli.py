@@ -19,6 +19,10 @@ import typing
 
 from bcg.utils import invalid_unicode, one_line
 
+if typing.TYPE_CHECKING:  # the command imports torch only once a command needs it
+    from bcg.engine.llm import LLM
+    from bcg.engine.sampling_params import SamplingParams
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -181,15 +185,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_max_tokens(llm, prompts: list[str], params, chat: bool) -> list:
-    """`params` per prompt with --max-tokens left out: DEFAULT_MAX_TOKENS, or the room
-    max_model_len leaves after the prompt if less (a prompt with no room keeps 1, which the
-    engine refuses by name)."""
+def _default_max_tokens(llm: LLM, prompts: list[str], params: SamplingParams,
+                        chat: bool) -> list[SamplingParams]:
+    """`params` per prompt with --max-tokens left out: DEFAULT_MAX_TOKENS, or None (the
+    engine's "up to max_model_len") where the prompt leaves less room than that; a prompt
+    that leaves none the engine then refuses by its index."""
     lengths = [len(llm.apply_chat_template([{"role": "user", "content": p}]) if chat
                    else llm.engine.tokenize(p)) for p in prompts]
     room = llm.engine.max_model_len
-    return [dataclasses.replace(params, max_tokens=max(1, min(DEFAULT_MAX_TOKENS, room - n)))
-            for n in lengths]
+    return [dataclasses.replace(params, max_tokens=(
+        DEFAULT_MAX_TOKENS if n + DEFAULT_MAX_TOKENS <= room else None)) for n in lengths]
 
 
 def _stream(llm, prompt: str, params, chat: bool) -> int:
@@ -252,6 +257,8 @@ def _read_prompts(prompts: list[str]) -> list[str]:
         invalid = invalid_unicode(prompt)
         if invalid is not None:
             raise ValueError(f"prompt {index} {invalid}: pass UTF-8 text")
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty")
     return prompts
 
 

@@ -124,6 +124,8 @@ def test_none_means_a_fields_default_as_in_vllm(tiny):
     llm = LLM(model=str(tiny[0]), device="cpu", max_model_len=64, max_num_batched_tokens=None,
               block_size=None, seed=None)
     assert llm.engine.config.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    with pytest.raises(TypeError, match="max_model_length"):
+        LLM(model=str(tiny[0]), device="cpu", max_model_length=None)  # a misspelt name
     # the rule holds only while every field that may be None has None as its default
     for f in dataclasses.fields(EngineConfig):
         if "None" in str(f.type):

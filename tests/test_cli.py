@@ -149,25 +149,29 @@ def test_generate_answers_a_question_with_the_builtin_model(capsys):
     assert "Paris" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("prompts", [["Hello"], ["Hello", "Tell me a long story"]])
-def test_the_default_max_tokens_fits_a_small_max_model_len(monkeypatch, capsys, prompts):
-    """Left out, --max-tokens is 256 or the room the prompt leaves, whichever is less: a
-    max_model_len under 256 still generates, up to its end."""
+@pytest.mark.parametrize("argv,expected", [
+    (["--max-model-len", "24", "--ignore-eos", "Hello"], [None]),
+    (["--max-model-len", "24", "--ignore-eos", "Hello", "Tell me a long story"], [None, None]),
+    (["--max-model-len", "300", "--chat", "Hello"], [256]),
+])
+def test_the_default_max_tokens_fits_a_small_max_model_len(monkeypatch, capsys, argv,
+                                                          expected):
+    """Left out, --max-tokens is 256, or the engine's "up to max_model_len" (None) where the
+    prompt leaves less room: a max_model_len under 256 still generates."""
     require_builtin_model()
     from bcg.engine.llm_engine import LLMEngine
 
-    asked = []  # (prompt tokens, max_tokens) of each request
+    asked = []  # max_tokens of each request
     add_request = LLMEngine.add_request
 
     def recording(self, prompt, params):
-        asked.append((len(self.tokenize(prompt)), params.max_tokens))
+        asked.append(params.max_tokens)
         return add_request(self, prompt, params)
 
     monkeypatch.setattr(LLMEngine, "add_request", recording)
-    code = main(["generate", "--device", "cpu", "--max-model-len", "24", "--ignore-eos",
-                 "--no-progress", *prompts])
+    code = main(["generate", "--device", "cpu", "--no-progress", *argv])
     assert code == 0, capsys.readouterr().err
-    assert [max_tokens for _, max_tokens in asked] == [24 - length for length, _ in asked]
+    assert asked == expected
 
 
 class RecordingStdout(io.StringIO):
@@ -235,6 +239,7 @@ def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
     (["generate", "--block-size", "0", "hi"], "--block-size"),
     (["generate", "--max-tokens", "abc", "hi"], "--max-tokens"),
     (["generate", "--max-tokens", "-1", "hi"], "--max-tokens must be at least 1, got -1"),
+    (["generate", "hi", ""], "prompt 1 is empty"),
     (["generate", "--seed", str(2**70), "hi"], "--seed must be a 64-bit integer"),
     (["generate", "--stop", "\udcff", "hi"], "--stop string 0 holds a lone UTF-16 surrogate"),
     (["generate", "--max-tokens", "0", "hi"], "--max-tokens must be at least 1"),

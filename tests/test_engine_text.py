@@ -195,8 +195,20 @@ def test_bytes_that_never_make_a_character_end_the_text_as_replacement_character
     [out] = llm.generate(["\U0001f642" * 12], SamplingParams(temperature=0, max_tokens=16),
                          use_tqdm=False)
     completion = out.outputs[0]
-    assert completion.text and completion.text == llm.get_tokenizer().decode(
-        completion.token_ids)
+    assert "\ufffd" in completion.text
+    assert completion.text == llm.get_tokenizer().decode(completion.token_ids)
+
+
+def test_the_detokenizer_ends_unfinished_bytes_as_replacement_characters(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("\U0001f642", add_special_tokens=False)  # 4 bytes, 2 tokens
+    assert len(ids) > 1
+    detokenizer = IncrementalDetokenizer(fast_backend(tokenizer), stop=["x"])
+    for token_id in ids[:-1]:  # the character without its last token
+        assert not detokenizer.add(token_id)
+    assert detokenizer.visible_text(finished=False) == ""  # maybe the rest comes
+    assert detokenizer.visible_text(finished=True) == tokenizer.decode(ids[:-1]) == "\ufffd"
+    assert detokenizer.visible_text(finished=True) == "\ufffd"  # once, however often asked
 
 
 def test_eos_ends_the_request_unless_ignored(llm):

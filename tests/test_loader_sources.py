@@ -168,16 +168,15 @@ def test_hf_overrides_change_the_config_of_every_kind_of_source(tmp_path, caplog
         resolve_model("qwen3-8b", hf_overrides={"num_hidden_layers": 0})
 
 
-def test_a_preset_named_without_dummy_weights_warns_once(caplog):
-    warn_once.cache_clear()
+def test_a_preset_named_without_dummy_weights_warns(caplog):
+    one_layer = {"device": "cpu", "max_model_len": 32, "hf_overrides": {"num_hidden_layers": 1}}
     with caplog.at_level("WARNING"):
-        resolve_model("qwen3-0.6b")
-        resolve_model("qwen3-0.6b")  # as the command line and then its engine do
-        resolve_model("qwen3-8b", dummy_weights=True)
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1, warnings
-    assert "qwen3-0.6b is a preset: random weights" in warnings[0]
-    assert "--load-format dummy" in warnings[0]
+        LLM(model="smollm2-135m", load_format="dummy", **one_layer).close()
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        LLM(model="smollm2-135m", **one_layer).close()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "smollm2-135m is a preset: random weights" in warning
+    assert "--load-format dummy" in warning
 
 
 def test_hf_overrides_that_change_shapes_load_dummy_weights_only(tmp_path):

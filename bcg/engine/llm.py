@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
@@ -30,7 +30,9 @@ class LLM:
     None as its default)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        given = {name: value for name, value in engine_args.items() if value is not None}
+        names = {f.name for f in fields(EngineConfig)}
+        given = {name: value for name, value in engine_args.items()
+                 if value is not None or name not in names}  # a misspelt name still fails
         self.engine = LLMEngine(EngineConfig(model=model, **given))
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from bcg.engine.sampling_params import SamplingParams
 from bcg.engine.scheduler import Scheduler, SchedulerOutput
 from bcg.engine.sequence import Sequence
 from bcg.loader.tokenizer import load_tokenizer
+from bcg.models.presets import PRESETS
 from bcg.runner.model_runner import StepResult
 from bcg.runner.startup import resolve_max_model_len, start_runner
 from bcg.timing import startup_step, take_startup_steps
@@ -126,6 +127,11 @@ class LLMEngine:
         start = time.perf_counter()
         take_startup_steps()  # an earlier engine's, or one that failed to start
         source = config.model_source()
+        if config.model in PRESETS and config.load_format != "dummy":
+            # here, not where every rank resolves the model: one warning, from rank 0
+            logger.warning("%s is a preset: random weights, so what it generates is noise. "
+                           "Pass --load-format dummy (load_format='dummy') to ask for that, or "
+                           "a model folder, .gguf file or Hub id for real weights", config.model)
         self.model_config = source.config
         self.max_model_len = resolve_max_model_len(config, source.config)
         check_tensor_parallel_size(config, source.config)

@@ -66,12 +66,6 @@ def resolve_model(model: str | None, dummy_weights: bool = False,
     source.hf_overrides = hf_overrides or {}
     if dummy_weights:
         source.weights = None
-    if model in PRESETS and dummy_weights:
-        logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
-    elif model in PRESETS:  # whoever names one by mistake for the real model must hear it
-        warn_once(__name__, f"{model} is a preset: random weights and no tokenizer, so what "
-                  "it generates is noise. Pass --load-format dummy (load_format='dummy') to "
-                  "ask for that, or a model folder, .gguf file or Hub id for real weights")
     return source
 
 
@@ -79,6 +73,7 @@ def _resolve_weights(model: str | None, overrides: dict) -> ModelSource:
     if model is None:
         return _gguf_source(builtin_gguf_path(), BUILTIN_NAME, overrides)
     if model in PRESETS:
+        logger.info("%s is a preset: random (dummy) weights, no tokenizer", model)
         config = _model_config(PRESETS[model], f"preset {model}", overrides)
         return ModelSource(model, config, None, None)
     kind, path = classify_name(model, "model")

@@ -155,7 +155,9 @@ def _server_exiting_cleanly(server_class: type) -> type:
                 timer = threading.Timer(grace, engine_loop.end_all)
                 timer.daemon = True
                 timer.start()
-                super().handle_exit(sig, frame)
+                # not uvicorn's handle_exit: after a failed rank has set should_exit, it would
+                # take this first signal for a second one and force the exit
+                self.should_exit = True
             elif self.signals_seen == 2:
                 logger.info("%s again: aborting the requests in flight now (a third one exits "
                             "at once)", name)
