@@ -22,6 +22,9 @@ def test_chat_answers_the_question(llm):
     [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY,
                      use_tqdm=False)
     assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+    # as in vLLM, the prompt is the rendered conversation, whose tokens the prompt ids are
+    assert out.prompt.endswith("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert llm.get_tokenizer().encode(out.prompt) == out.prompt_token_ids
 
 
 QUESTION = "What is the capital of France?"

@@ -98,8 +98,11 @@ class LLM:
                               continue_final_message=continue_final_message,
                               chat_template_kwargs=chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        return self.generate([self.apply_chat_template(c, options) for c in conversations],
-                             sampling_params, use_tqdm)
+        texts = [self.engine.chat_text(c, options) for c in conversations]
+        outputs = self.generate([self.engine.encode_chat(text, options) for text in texts],
+                                sampling_params, use_tqdm)
+        # as in vLLM, each output's prompt is the rendered conversation
+        return [replace(output, prompt=text) for output, text in zip(outputs, texts, strict=True)]
 
     def apply_chat_template(self, messages: list[Message],
                             options: ChatOptions = DEFAULT_CHAT) -> list[int]:

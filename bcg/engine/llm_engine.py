@@ -236,6 +236,15 @@ class LLMEngine:
         """A conversation (`{"role", "content"}` messages, content a string or text parts)
         rendered with the chat template (the tokenizer's, unless `options` gives one) and
         tokenized; by default ready for the assistant's reply."""
+        return self.encode_chat(self.chat_text(messages, options), options)
+
+    def encode_chat(self, text: str, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """`chat_text`'s text as token ids (special tokens added if `options` asks)."""
+        return self.tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
+
+    def chat_text(self, messages: list[Mapping[str, Any]],
+                  options: ChatOptions = DEFAULT_CHAT) -> str:
+        """The text `chat_token_ids` tokenizes: the conversation through the chat template."""
         require(self.tokenizer is not None,
                 f"this model has no tokenizer, which a chat needs: {NAME_A_TOKENIZER}")
         require(options.chat_template is not None or self.tokenizer.chat_template is not None,
@@ -243,11 +252,10 @@ class LLMEngine:
                 "send plain text prompts")
         conversation = template_messages(messages)
         try:
-            text = self.tokenizer.apply_chat_template(conversation,
+            return self.tokenizer.apply_chat_template(conversation,
                                                       **options.template_arguments())
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
-        return self.tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""
