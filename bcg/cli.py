@@ -167,17 +167,15 @@ def _generate(args: argparse.Namespace) -> int:
     from bcg.engine.llm import LLM
 
     llm = LLM(**dataclasses.asdict(config))
-    each = [params] * len(prompts)
-    if args.max_tokens is None:
-        each = _default_max_tokens(llm, prompts, params, args.chat)
+    # tokenized here once: the default --max-tokens depends on each prompt's length
+    requests = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat
+                else llm.engine.tokenize(p) for p in prompts]
+    each = [params if args.max_tokens is not None
+            else _default_max_tokens(params, len(ids), llm.engine.max_model_len)
+            for ids in requests]
     if len(prompts) == 1:
-        return _stream(llm, prompts[0], each[0], args.chat)
-    use_tqdm = not args.no_progress
-    if args.chat:
-        conversations = [[{"role": "user", "content": p}] for p in prompts]
-        outputs = llm.chat(conversations, each, use_tqdm=use_tqdm)
-    else:
-        outputs = llm.generate(prompts, each, use_tqdm=use_tqdm)
+        return _stream(llm, requests[0], prompts[0], each[0], args.chat)
+    outputs = llm.generate(requests, each, use_tqdm=not args.no_progress)
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"### {prompt}")
         text = output.outputs[0].text
@@ -185,24 +183,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_max_tokens(llm: LLM, prompts: list[str], params: SamplingParams,
-                        chat: bool) -> list[SamplingParams]:
-    """`params` per prompt with --max-tokens left out: DEFAULT_MAX_TOKENS, or None (the
-    engine's "up to max_model_len") where the prompt leaves less room than that; a prompt
-    that leaves none the engine then refuses by its index."""
-    lengths = [len(llm.apply_chat_template([{"role": "user", "content": p}]) if chat
-                   else llm.engine.tokenize(p)) for p in prompts]
-    room = llm.engine.max_model_len
-    return [dataclasses.replace(params, max_tokens=(
-        DEFAULT_MAX_TOKENS if n + DEFAULT_MAX_TOKENS <= room else None)) for n in lengths]
+def _default_max_tokens(params: SamplingParams, prompt_len: int,
+                        max_model_len: int) -> SamplingParams:
+    """`params` with --max-tokens left out: DEFAULT_MAX_TOKENS, or None (the engine's "up to
+    max_model_len") where the prompt leaves less room than that; a prompt that leaves none
+    the engine then refuses by its index."""
+    fits = prompt_len + DEFAULT_MAX_TOKENS <= max_model_len
+    return dataclasses.replace(params, max_tokens=DEFAULT_MAX_TOKENS if fits else None)
 
 
-def _stream(llm, prompt: str, params, chat: bool) -> int:
+def _stream(llm: LLM, token_ids: list[int], prompt: str, params: SamplingParams,
+            chat: bool) -> int:
     """Print one prompt's text as it is generated: each engine step's output holds the text
     so far, and the part not yet shown is written."""
     engine = llm.engine
-    request = llm.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    request_id = engine.add_request(request, params)
+    request_id = engine.add_request(token_ids, params)
     out = sys.stdout
     shown = "" if chat else prompt
     out.write(shown)
