@@ -153,9 +153,10 @@ class EngineConfig:
     )
     enable_torch_symm_mem: bool = _arg(
         False,
-        "tensor parallel on GPUs: all-reduces up to 512 KiB (a decode step's hidden states) "
-        "through torch symmetric memory's one-shot kernel, each rank reading the others' "
-        "buffers over NVLink, instead of NCCL (SGLang's flag); where symmetric memory is "
+        "tensor parallel on GPUs: all-reduces through torch symmetric memory's kernels, each "
+        "rank reading the others' buffers over NVLink, instead of NCCL (SGLang's flag): up to "
+        "512 KiB (a decode step's hidden states) the one-shot kernel, up to 32 MiB (large "
+        "batches, prefill chunks) the two-shot one; where symmetric memory is "
         "unavailable (float16, ranks on several hosts, no peer access), logged, NCCL does "
         "them all. Its barrier has no timeout: a rank that dies mid-step leaves the others "
         "waiting (kill them). Off by default: on two H100s NCCL's all-reduce is faster inside "

@@ -1,10 +1,13 @@
-"""All-reduce latency on 2 GPUs inside CUDA graphs: NCCL against the one-shot kernel through
-torch symmetric memory (`--enable-torch-symm-mem`), bf16, message sizes from one token's
-hidden state (8 KiB at hidden 4096) to a 2048-token prefill chunk's (16 MiB).
+"""All-reduce latency on 2 GPUs inside CUDA graphs: NCCL against the one-shot and the two-shot
+kernels through torch symmetric memory (`--enable-torch-symm-mem`), bf16, message sizes from
+one token's hidden state (8 KiB at hidden 4096) to a 2048-token prefill chunk's at hidden
+8192 (32 MiB).
 
 Each measurement is a CUDA graph of `CALLS` all-reduces in a row, replayed `REPLAYS` times
 between CUDA events on rank 0 (both ranks replay together): µs per all-reduce. Rows carry
-`bytes`, `nccl_us`, `symm_mem_us` (None above the sizes the kernel takes) and their ratio.
+`bytes`, `nccl_us`, `one_shot_us` (None above `LARGEST_ONE_SHOT`), `two_shot_us` and each
+kernel's ratio to NCCL. The engine's split between them is `bcg.distributed.symm_mem`'s
+`ONE_SHOT_MAX_BYTES`.
 Back to back, each all-reduce also waits for the other rank to finish its last one, which
 costs NCCL more than the kernel: between a model's kernels the order can differ (it does
 for qwen3-8b at tp2 on H100s), so the engine's `--enable-torch-symm-mem` is decided by
@@ -29,13 +32,12 @@ from common import print_table, require_cuda, write_results  # noqa: E402
 from bcg.distributed.parallel_state import (  # noqa: E402
     destroy_tensor_parallel,
     init_tensor_parallel,
-    tensor_parallel,
 )
-from bcg.distributed.symm_mem import use_torch_symm_mem  # noqa: E402
+from bcg.distributed.symm_mem import SymmMemAllReduce, use_torch_symm_mem  # noqa: E402
 from bcg.utils import free_port  # noqa: E402
 
-SIZES = [2**k for k in range(13, 25)]  # bytes: 8 KiB ... 16 MiB
-LARGEST_ONE_SHOT = 4 * 2**20  # the kernel is measured up to here
+SIZES = [2**k for k in range(13, 26)]  # bytes: 8 KiB ... 32 MiB
+LARGEST_ONE_SHOT = 4 * 2**20  # the one-shot kernel is measured up to here
 CALLS = 32
 REPLAYS = 20
 DTYPE = torch.bfloat16
@@ -72,15 +74,21 @@ def rank_main(rank: int, port: int, out_path: Path) -> None:
     torch.cuda.set_device(device)
     init_tensor_parallel(2, "nccl", f"tcp://127.0.0.1:{port}", rank, device)
     try:
-        use_torch_symm_mem(True, DTYPE, device, max_bytes=LARGEST_ONE_SHOT)
-        kernel = tensor_parallel().custom_all_reduce
+        one_shot = use_torch_symm_mem(True, DTYPE, device, max_bytes=max(SIZES),
+                                      one_shot_max_bytes=LARGEST_ONE_SHOT)
+        if one_shot is None:
+            raise SystemExit("bench_all_reduce: symmetric memory did not set up (see the log)")
+        two_shot = SymmMemAllReduce(one_shot.buffer, one_shot.group_name, one_shot_max_bytes=0)
         rows = []
         for size in SIZES:
             x = torch.zeros(size // DTYPE.itemsize, dtype=DTYPE, device=device)  # sums stay 0
-            row = {"bytes": size, "nccl_us": graph_us(nccl, x), "symm_mem_us": None}
-            if kernel is not None and kernel.takes(x):
-                row["symm_mem_us"] = graph_us(kernel, x)
-                row["symm_mem_over_nccl"] = row["symm_mem_us"] / row["nccl_us"]
+            row = {"bytes": size, "nccl_us": graph_us(nccl, x), "one_shot_us": None,
+                   "two_shot_us": graph_us(two_shot, x)}
+            if size <= LARGEST_ONE_SHOT:
+                row["one_shot_us"] = graph_us(one_shot, x)
+            for kind in ("one_shot", "two_shot"):
+                if row[f"{kind}_us"] is not None:
+                    row[f"{kind}_over_nccl"] = row[f"{kind}_us"] / row["nccl_us"]
             rows.append(row)
         if rank == 0:
             torch.save(rows, out_path)
@@ -96,9 +104,10 @@ def main() -> None:
     mp.spawn(rank_main, args=(free_port(), out_path), nprocs=2, join=True)
     rows = torch.load(out_path)
     print_table("all-reduce in CUDA graphs, bf16, 2 GPUs (µs per call)",
-                ["bytes", "nccl us", "symm_mem us", "symm_mem / nccl"],
-                [[r["bytes"], r["nccl_us"], r["symm_mem_us"] or "-",
-                  r.get("symm_mem_over_nccl", "-")] for r in rows])
+                ["bytes", "nccl us", "one-shot us", "two-shot us", "one-shot / nccl",
+                 "two-shot / nccl"],
+                [[r["bytes"], r["nccl_us"], r["one_shot_us"] or "-", r["two_shot_us"],
+                  r.get("one_shot_over_nccl", "-"), r["two_shot_over_nccl"]] for r in rows])
     write_results("bench_all_reduce", {"dtype": str(DTYPE), "calls_per_graph": CALLS,
                                        "rows": rows})
 

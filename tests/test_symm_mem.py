@@ -3,8 +3,9 @@
 CPU: which tensors it takes, that `TensorParallel.all_reduce` routes them to it and the rest
 to the group, that a replaced or destroyed one is released, and that on the CPU (gloo, 2
 processes) the flag falls back to the group's backend on every rank. GPU (2 GPUs, NCCL): the
-kernel's sums equal NCCL's, eagerly and replayed from a CUDA graph on fresh data, in bf16 and
-fp32 (tests/test_multi_gpu.py runs whole models with it in every graph mode)."""
+one-shot and two-shot kernels' sums equal NCCL's, eagerly and replayed from a CUDA graph on
+fresh data, in bf16 and fp32 (tests/test_multi_gpu.py runs whole models with it in every
+graph mode)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from bcg.distributed.parallel_state import (
 )
 from bcg.distributed.symm_mem import (
     MAX_BYTES,
+    ONE_SHOT_MAX_BYTES,
     SymmMemAllReduce,
     _unsupported,
     use_torch_symm_mem,
@@ -35,7 +37,7 @@ from bcg.utils import free_port
 
 def cpu_kernel(dtype: torch.dtype = torch.bfloat16) -> SymmMemAllReduce:
     """The kernel's bookkeeping over a plain buffer: enough for `takes`."""
-    return SymmMemAllReduce(torch.empty(MAX_BYTES // dtype.itemsize, dtype=dtype), "g", MAX_BYTES)
+    return SymmMemAllReduce(torch.empty(MAX_BYTES // dtype.itemsize, dtype=dtype), "g")
 
 
 def test_it_takes_small_aligned_contiguous_tensors_of_its_dtype_and_device():
@@ -48,6 +50,28 @@ def test_it_takes_small_aligned_contiguous_tensors_of_its_dtype_and_device():
     assert not kernel.takes(torch.zeros(3, dtype=torch.bfloat16))  # 6 bytes: not 16-aligned
     assert not kernel.takes(torch.zeros(64, 32, dtype=torch.bfloat16).t())  # not contiguous
     assert not kernel.takes(torch.zeros(64, dtype=torch.bfloat16)[1:9])  # a misaligned start
+
+
+def test_small_messages_take_the_one_shot_kernel_and_larger_ones_the_two_shot(monkeypatch):
+    """On the CPU with the kernels faked: the two-shot one reads its input from the buffer,
+    so the message must have been copied there."""
+    calls = []
+
+    def one_shot(buffer, x, op, group, out):
+        calls.append(("one-shot", x.numel()))
+        return out.copy_(x * 2)
+
+    def two_shot(buffer, op, group, out):
+        calls.append(("two-shot", buffer.numel()))
+        return out.copy_(buffer * 2)
+
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", one_shot)
+    monkeypatch.setattr(torch.ops.symm_mem, "two_shot_all_reduce_out", two_shot)
+    kernel = cpu_kernel()
+    small = torch.randn(ONE_SHOT_MAX_BYTES // 2).bfloat16()  # the largest one-shot message
+    large = torch.randn(2, ONE_SHOT_MAX_BYTES // 4 + 8).bfloat16()
+    assert torch.equal(kernel(small), small * 2) and torch.equal(kernel(large), large * 2)
+    assert calls == [("one-shot", small.numel()), ("two-shot", large.numel())]
 
 
 def test_traced_all_reduces_go_through_the_group(monkeypatch):
@@ -158,9 +182,12 @@ def gpu_rank_main(rank: int, port: int) -> None:
             kernel = use_torch_symm_mem(True, dtype, device)
             assert kernel is not None, "symmetric memory did not set up on two GPUs"
             assert tensor_parallel().custom_all_reduce is kernel
-            for numel in (8, 4096, 7 * 4096, MAX_BYTES // dtype.itemsize):
+            one_shot = ONE_SHOT_MAX_BYTES // dtype.itemsize
+            for numel in (8, 4096, 7 * 4096, one_shot, one_shot + 8, 256 * 4096 + 8,
+                          MAX_BYTES // dtype.itemsize):
                 check_eager(kernel, numel, dtype, device, rank)
-            check_graph_replays(kernel, dtype, device, rank)
+            for rows in (4, 256):  # one-shot, two-shot
+                check_graph_replays(kernel, rows, dtype, device, rank)
             set_custom_all_reduce(None)
     finally:
         destroy_tensor_parallel()
@@ -180,11 +207,11 @@ def check_eager(kernel: SymmMemAllReduce, numel: int, dtype: torch.dtype, device
     torch.testing.assert_close(got, nccl_sum(x), rtol=0, atol=0, msg=f"{numel} x {dtype}")
 
 
-def check_graph_replays(kernel: SymmMemAllReduce, dtype: torch.dtype, device: torch.device,
-                        rank: int) -> None:
-    """Three all-reduces in a row (the buffer reused by each), captured once, replayed on
-    fresh inputs: each replay sums the inputs it was given."""
-    static = torch.zeros(4, 4096, dtype=dtype, device=device)
+def check_graph_replays(kernel: SymmMemAllReduce, rows: int, dtype: torch.dtype,
+                        device: torch.device, rank: int) -> None:
+    """Three all-reduces of `rows` x 4096 in a row (the buffer reused by each), captured
+    once, replayed on fresh inputs: each replay sums the inputs it was given."""
+    static = torch.zeros(rows, 4096, dtype=dtype, device=device)
     assert kernel.takes(static)
     tp = tensor_parallel()
     tp.all_reduce(static)  # warm up outside the capture
@@ -193,11 +220,13 @@ def check_graph_replays(kernel: SymmMemAllReduce, dtype: torch.dtype, device: to
     with torch.cuda.graph(graph):
         out = tp.all_reduce(tp.all_reduce(tp.all_reduce(static)) * 0.5)
     for trial in range(3):
-        fresh = torch.randn(4, 4096, generator=torch.Generator().manual_seed(10 * trial + rank))
+        fresh = torch.randn(rows, 4096,
+                            generator=torch.Generator().manual_seed(10 * trial + rank))
         static.copy_(fresh.to(dtype))
         graph.replay()
         expected = nccl_sum(nccl_sum(nccl_sum(static)) * 0.5)
-        torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"replay {trial}, {dtype}")
+        torch.testing.assert_close(out, expected, rtol=0, atol=0,
+                                   msg=f"replay {trial}, {rows} rows, {dtype}")
     graph.reset()
 
 

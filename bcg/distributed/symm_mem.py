@@ -1,14 +1,17 @@
-"""Small all-reduces through torch's symmetric memory (`--enable-torch-symm-mem`, SGLang's
-flag): a one-shot kernel in which every rank reads every other rank's buffer over NVLink and
-sums, instead of NCCL.
+"""All-reduces through torch's symmetric memory (`--enable-torch-symm-mem`, SGLang's flag):
+kernels in which every rank reads the other ranks' buffers over NVLink, instead of NCCL.
 
 A decode step of a tensor-parallel model all-reduces one hidden state per token twice a
 layer; at a few KiB latency, not the bytes, sets their cost. Each rank copies its part into
 a buffer every rank has mapped, the ranks meet at a barrier of device-side signals, and
-each sums all the buffers into its output: one launch, capturable in any CUDA graph. Larger
-messages, other dtypes and traced code (`torch.compile`) stay on NCCL. Off by default: in
-qwen3-8b's tp2 decode graph on two H100s this kernel takes 8.7 µs an all-reduce against
-NCCL's LL kernel's 6.2 µs (the README's Tensor parallelism section has the numbers).
+each sums all the buffers into its output: the one-shot kernel, one launch, capturable in
+any CUDA graph. Larger messages (a batch of 256 decodes at hidden 4096 is 2 MiB, a prefill
+chunk 16 MiB) take the two-shot kernel: each rank sums its 1/N of the message from every
+buffer, then gathers the others' sums, so it reads the message about twice, as NCCL's ring
+does, but in one launch with no pipeline of steps. Beyond the buffer, other dtypes and
+traced code (`torch.compile`) stay on NCCL. Off by default: in qwen3-8b's tp2 decode graph
+on two H100s the one-shot kernel takes 8.7 µs an all-reduce against NCCL's LL kernel's 6.2
+µs (the README's Tensor parallelism section has the numbers).
 
 The barrier waits without a timeout: a rank that dies mid-step leaves the others spinning
 in the kernel (NCCL's abort cannot stop it), so they must be killed.
@@ -27,26 +30,34 @@ from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce
 logger = logging.getLogger(__name__)
 
 # Messages up to this many bytes take the one-shot kernel: every rank reads all of every
-# other rank's part, so past a few hundred KiB NCCL's ring moves fewer bytes per rank.
-MAX_BYTES = 512 * 1024
-ALIGNMENT = 16  # the kernel's widest loads; the buffer and the input must agree on it
-DTYPES = (torch.bfloat16, torch.float32)  # what the kernel sums
-OP = "symm_mem::one_shot_all_reduce_copy_out"
+# other rank's part, so past a few hundred KiB the two-shot kernel moves fewer bytes.
+ONE_SHOT_MAX_BYTES = 512 * 1024
+# Larger ones up to this (the buffer's size) take the two-shot kernel: a 2048-token prefill
+# chunk of a hidden size up to 8192 in bf16 fits.
+MAX_BYTES = 32 * 2**20
+ALIGNMENT = 16  # the kernels' widest loads; the buffer and the input must agree on it
+DTYPES = (torch.bfloat16, torch.float32)  # what the kernels sum
+ONE_SHOT = "symm_mem::one_shot_all_reduce_copy_out"
+TWO_SHOT = "symm_mem::two_shot_all_reduce_out"
 
 
 class SymmMemAllReduce:
-    """A one-shot all-reduce of tensors of its buffer's dtype, up to `max_bytes`, over the
-    ranks of the group named `group_name`, through that buffer (mapped by every rank)."""
+    """An all-reduce of tensors of its buffer's dtype, up to the buffer's size, over the
+    ranks of the group named `group_name`, through that buffer (mapped by every rank): the
+    one-shot kernel up to `one_shot_max_bytes`, the two-shot kernel above."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int) -> None:
+    def __init__(self, buffer: torch.Tensor, group_name: str,
+                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
         self.buffer: torch.Tensor | None = buffer  # flat; None once released
         self.group_name = group_name
-        self.max_numel = max_bytes // buffer.element_size()
+        self.max_numel = buffer.numel()
+        self.one_shot_numel = one_shot_max_bytes // buffer.element_size()
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether `x` goes through this kernel (else NCCL): the buffer's device and dtype, at
-        most `max_bytes`, contiguous, starting 16 bytes into its storage (allocations are
-        aligned) and not traced by torch.compile (Inductor lowers NCCL's all-reduce itself).
+        """Whether `x` goes through these kernels (else NCCL): the buffer's device and dtype,
+        at most the buffer's size, contiguous, starting 16 bytes into its storage
+        (allocations are aligned) and not traced by torch.compile (Inductor lowers NCCL's
+        all-reduce itself).
         Every rank answers alike: the answer depends on shapes and offsets only."""
         # Checked first: a traced tensor has no storage to look at.
         if torch.compiler.is_compiling():
@@ -61,8 +72,14 @@ class SymmMemAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in a new tensor."""
         out = torch.empty_like(x)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(
-            self.buffer[: x.numel()], x.view(-1), "sum", self.group_name, out.view(-1))
+        part = self.buffer[: x.numel()]
+        if x.numel() <= self.one_shot_numel:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+                part, x.view(-1), "sum", self.group_name, out.view(-1))
+        else:  # the two-shot kernel reads the buffer only: x goes there first
+            part.copy_(x.view(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_out(part, "sum", self.group_name,
+                                                       out.view(-1))
         return out
 
     def release(self) -> None:
@@ -74,10 +91,12 @@ class SymmMemAllReduce:
 
 
 def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
-                       max_bytes: int = MAX_BYTES) -> SymmMemAllReduce | None:
-    """With `enabled` and several ranks, set the one-shot all-reduce of messages up to
-    `max_bytes` up on every rank and return it (a collective: every rank calls this at the
-    same point, before its model is built); or log why it cannot run here and return None:
+                       max_bytes: int = MAX_BYTES,
+                       one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES) -> SymmMemAllReduce | None:
+    """With `enabled` and several ranks, set the all-reduce of messages up to `max_bytes`
+    (one-shot up to `one_shot_max_bytes`) up on every rank and return it (a collective:
+    every rank calls this at the same point, before its model is built); or log why it
+    cannot run here and return None:
     then the group's backend does every all-reduce."""
     tp = tensor_parallel()
     if not enabled or tp.size == 1:
@@ -90,10 +109,11 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     if _agreed(tp, buffer is not None, reason):
         reason = _rendezvous(buffer, tp.group.group_name)
         if _agreed(tp, reason is None, reason):
-            kernel = SymmMemAllReduce(buffer, tp.group.group_name, max_bytes)
+            kernel = SymmMemAllReduce(buffer, tp.group.group_name, one_shot_max_bytes)
             set_custom_all_reduce(kernel)
-            logger.info("all-reduces of %s up to %d KiB run through torch symmetric memory "
-                        "(one-shot), larger ones through NCCL", dtype, max_bytes // 1024)
+            logger.info("all-reduces of %s run through torch symmetric memory (one-shot up to "
+                        "%d KiB, two-shot up to %d KiB), larger ones through NCCL", dtype,
+                        one_shot_max_bytes // 1024, max_bytes // 1024)
             return kernel
     return None
 
@@ -103,9 +123,10 @@ def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -
     if device.type != "cuda":
         return f"it needs CUDA devices, and this rank runs on {device}"
     if dtype not in DTYPES:
-        return f"the kernel sums bfloat16 and float32, not {dtype}"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CUDA"):
-        return f"this torch ({torch.__version__}) has no CUDA kernel for {OP}"
+        return f"the kernels sum bfloat16 and float32, not {dtype}"
+    for op in (ONE_SHOT, TWO_SHOT):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"):
+            return f"this torch ({torch.__version__}) has no CUDA kernel for {op}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
         return "the ranks span several hosts, and the kernel reads peers' memory directly"
     index = torch.cuda.current_device() if device.index is None else device.index
