@@ -37,6 +37,7 @@ ONE_SHOT_MAX_BYTES = 512 * 1024
 MAX_BYTES = 32 * 2**20
 ALIGNMENT = 16  # the kernels' widest loads; the buffer and the input must agree on it
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernels sum
+TWO_SHOT_WORLD_SIZES = (2, 4, 8)  # the only ones torch's two-shot kernel is built for
 ONE_SHOT = "symm_mem::one_shot_all_reduce_copy_out"
 TWO_SHOT = "symm_mem::two_shot_all_reduce_out"
 
@@ -103,6 +104,8 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
         if enabled:
             logger.info("--enable-torch-symm-mem has no effect on a single rank")
         return None
+    if tp.size not in TWO_SHOT_WORLD_SIZES:  # the one-shot kernel only; larger go to NCCL
+        max_bytes = min(max_bytes, one_shot_max_bytes)
     reason = _unsupported(tp, dtype, device)
     buffer, reason = _allocate(max_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
