@@ -92,6 +92,12 @@ def test_a_released_kernel_says_its_engine_is_closed():
         kernel.takes(torch.zeros(8, dtype=torch.bfloat16))
 
 
+def test_a_torch_without_the_ops_is_declined_not_an_error(monkeypatch):
+    monkeypatch.setattr("bcg.distributed.symm_mem.ONE_SHOT", "symm_mem::no_such_op")
+    reason = _unsupported(TensorParallel(0, 2), torch.bfloat16, torch.device("cuda", 0))
+    assert "no CUDA kernel for symm_mem::no_such_op" in reason
+
+
 def test_float16_and_ranks_on_several_hosts_are_declined(monkeypatch):
     tp, gpu = TensorParallel(0, 2), torch.device("cuda", 0)
     assert "not torch.float16" in _unsupported(tp, torch.float16, gpu)

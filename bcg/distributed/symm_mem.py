@@ -127,8 +127,8 @@ def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -
         return f"it needs CUDA devices, and this rank runs on {device}"
     if dtype not in DTYPES:
         return f"the kernels sum bfloat16 and float32, not {dtype}"
-    for op in (ONE_SHOT, TWO_SHOT):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"):
+    for op in (ONE_SHOT, TWO_SHOT) if tp.size in TWO_SHOT_WORLD_SIZES else (ONE_SHOT,):
+        if not _has_cuda_kernel(op):
             return f"this torch ({torch.__version__}) has no CUDA kernel for {op}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
         return "the ranks span several hosts, and the kernel reads peers' memory directly"
@@ -137,6 +137,13 @@ def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -
                for peer in range(tp.size) if peer != index):
         return "this GPU cannot read the other ranks' GPUs directly (no peer access)"
     return None
+
+
+def _has_cuda_kernel(op: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    except RuntimeError:  # a torch without the op at all
+        return False
 
 
 def _allocate(max_bytes: int, dtype: torch.dtype,
