@@ -32,6 +32,7 @@ from common import print_table, require_cuda, write_results  # noqa: E402
 from bcg.distributed.parallel_state import (  # noqa: E402
     destroy_tensor_parallel,
     init_tensor_parallel,
+    spawned_group_store,
 )
 from bcg.distributed.symm_mem import SymmMemAllReduce, use_torch_symm_mem  # noqa: E402
 from bcg.utils import free_port  # noqa: E402
@@ -72,7 +73,7 @@ def nccl(x: torch.Tensor) -> torch.Tensor:
 def rank_main(rank: int, port: int, out_path: Path) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    init_tensor_parallel(2, "nccl", f"tcp://127.0.0.1:{port}", rank, device)
+    init_tensor_parallel(2, "nccl", spawned_group_store(2, rank, port), rank, device)
     try:
         one_shot = use_torch_symm_mem(True, DTYPE, device, max_bytes=max(SIZES),
                                       one_shot_max_bytes=LARGEST_ONE_SHOT)
