@@ -43,6 +43,13 @@ test_file() {
   echo "$(basename "$file"): $(tail -n 1 "$log.one") [$((SECONDS - started)) s]"
 }
 
+# A file's summary line, numbered for the sorted summary on stdout, and at once on stderr:
+# a run cut short by a time limit still shows the files it finished.
+record() {
+  printf '%05d %s\n' "$1" "$2"
+  echo "gpu_check: $2" >&2
+}
+
 # The given test files, one GPU each, in as many parallel lanes as GPUs are visible
 # (GPU_CHECK_LANES overrides), then the several-GPU files; every output goes to tests.log
 # and each file's summary line to stdout, in file order.
@@ -64,13 +71,13 @@ run_tests() {
     (
       [ ${#devices[@]} -gt 0 ] && export CUDA_VISIBLE_DEVICES=${devices[lane % ${#devices[@]}]}
       for ((i = lane; i < ${#single[@]}; i += lanes)); do
-        printf '%05d %s\n' "$i" "$(test_file "${single[i]}" "$scratch/lane$lane.log")"
+        record "$i" "$(test_file "${single[i]}" "$scratch/lane$lane.log")"
       done >"$scratch/summary$lane"
     ) &
   done
   wait
   for ((i = 0; i < ${#multi[@]}; i++)); do
-    printf '%05d %s\n' "$((${#single[@]} + i))" "$(test_file "${multi[i]}" "$scratch/multi.log")"
+    record "$((${#single[@]} + i))" "$(test_file "${multi[i]}" "$scratch/multi.log")"
   done >"$scratch/summary_multi"
   cat "$scratch"/lane*.log "$scratch"/multi.log >"$log_dir/tests.log" 2>/dev/null
   sort -n "$scratch"/summary* | cut -d' ' -f2-
