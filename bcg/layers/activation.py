@@ -18,13 +18,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class SiluAndMul(nn.Module):
-    """`silu_and_mul` as a layer."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
-
-
 class ReluSquared(nn.Module):
     """`relu(x) ** 2`; on the fused kernel in place (`x` is the up projection's output, read
     by nothing else)."""
