@@ -9,12 +9,12 @@ any CUDA graph. Larger messages (a batch of 256 decodes at hidden 4096 is 2 MiB,
 chunk 16 MiB) take the two-shot kernel: each rank sums its 1/N of the message from every
 buffer, then gathers the others' sums, so it reads the message about twice, as NCCL's ring
 does, but in one launch with no pipeline of steps. Beyond the buffer, other dtypes and
-traced code (`torch.compile`) stay on NCCL. Off by default: in qwen3-8b's tp2 runs on two
-H100s it gains 1-2% (the README's Tensor parallelism section has the numbers), and its
-barrier cannot time out.
+traced code (`torch.compile`) stay on NCCL.
 
-The barrier waits without a timeout: a rank that dies mid-step leaves the others spinning
-in the kernel (NCCL's abort cannot stop it), so they must be killed.
+Off by default: in qwen3-8b's tp2 runs on two H100s it gains 1-2% (the README's Tensor
+parallelism section has the numbers), and its barrier waits without a timeout: a rank that
+dies mid-step leaves the others spinning in the kernel (NCCL's abort cannot stop it), so
+they must be killed.
 """
 
 from __future__ import annotations

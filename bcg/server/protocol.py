@@ -179,6 +179,13 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS  # as in vLLM: null is no cap
+    echo: bool | None = False  # the response's text (and logprobs) start with the prompt's
+    logprobs: int | None = None  # logprobs of each token and of this many alternatives
+    best_of: int | None = None  # only 1: candidates ranked server-side are not implemented
+    suffix: str | None = None  # insertion (text after the completion) is not implemented
+
+    _streamed_prompt_logprobs_instead: ClassVar[str] = " (use echo with logprobs)"
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -189,13 +196,6 @@ class CompletionRequest(SamplingFields):
             return value
         raise ValueError("must be a string, a list of strings, a list of token ids (integers) "
                          "or a list of token-id lists, one form for the whole list")
-    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS  # as in vLLM: null is no cap
-    echo: bool | None = False  # the response's text (and logprobs) start with the prompt's
-    logprobs: int | None = None  # logprobs of each token and of this many alternatives
-    best_of: int | None = None  # only 1: candidates ranked server-side are not implemented
-    suffix: str | None = None  # insertion (text after the completion) is not implemented
-
-    _streamed_prompt_logprobs_instead: ClassVar[str] = " (use echo with logprobs)"
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: a string or a token-id list is a batch of one."""
