@@ -74,7 +74,7 @@ def test_decodes_go_first_and_a_prompt_chunk_fills_the_rest():
     assert second.seqs == [a, b] and second.num_new_tokens == [1, 9]
 
 
-def test_decodes_go_longest_first_and_prompts_keep_their_order():
+def test_decodes_go_longest_first_and_prompt_chunks_keep_their_order():
     scheduler = make_scheduler(max_tokens_per_step=64)
     short, long, middle = make_requests([3, 12, 7], max_tokens=4)
     for seq in (short, long, middle):

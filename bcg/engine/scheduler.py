@@ -34,11 +34,13 @@ class SchedulerOutput:
         self.num_new_tokens.append(num_new_tokens)
 
     def put_longest_decodes_first(self) -> None:
-        """Order the one-token rows at the front (the decodes) by context, longest first.
-        Decode attention starts its programs in row order; with the long sequences first,
-        short ones fill the device's last wave instead of one long sequence running alone."""
+        """Order the one-token rows at the front (the decodes, and any prompt with one
+        token left) by the KV they read, longest first. Decode attention starts its programs
+        in row order; with the long sequences first, short ones fill the device's last wave
+        instead of one long sequence running alone."""
         num_decodes = leading_single_tokens(self.num_new_tokens)
-        self.seqs[:num_decodes] = sorted(self.seqs[:num_decodes], key=lambda s: -s.num_tokens)
+        self.seqs[:num_decodes] = sorted(self.seqs[:num_decodes],
+                                         key=lambda s: -s.num_computed_tokens)
 
 
 class Scheduler:
