@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
+# A step's decode rows run on one axis of the decode-attention kernel's CUDA grid, which
+# holds at most this many.
+MAX_NUM_SEQS = 65535
 
 
 def _arg(default, help: str, **extra):
@@ -80,7 +83,7 @@ class EngineConfig:
         "CPU max_model_len tokens, within min(4 GiB, 25% of the available memory) (90% if "
         "max_model_len is set)"
     )
-    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_seqs: int = _arg(256, "most sequences in one step (at most 65535)")
     max_num_batched_tokens: int = _arg(
         2048, "most tokens in one step; longer prompts are prefilled in chunks of this size"
     )
@@ -181,7 +184,8 @@ class EngineConfig:
                 "--device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES")
         require(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        require(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        require(0 < self.max_num_seqs <= MAX_NUM_SEQS,
+                f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}")
         require(self.max_num_batched_tokens > 0,
                f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         require(self.kv_cache_tokens is None or self.kv_cache_tokens > 0,

@@ -17,6 +17,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def leading_single_tokens(num_new_tokens: list[int]) -> int:
+    """How many sequences at the front of a batch add one token each (its decodes)."""
+    for index, count in enumerate(num_new_tokens):
+        if count != 1:
+            return index
+    return len(num_new_tokens)
+
+
 def is_int(value) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -7,8 +7,7 @@ import torch
 
 from bcg.forward import ForwardBatch, ForwardContext, KVCache, set_forward_context
 from bcg.layers.attention import Attention
-from bcg.runner.batch import leading_single_tokens
-from bcg.utils import cdiv
+from bcg.utils import cdiv, leading_single_tokens
 from tests.numerics import pad_with_nan
 from tests.paged import scatter_blocks, slot_mapping
 

@@ -94,6 +94,11 @@ def test_split_counts_past_the_merge_are_refused(num_splits: int) -> None:
         decode.plan_decode(1, *HEAD_SHAPES[1][:3], DEVICE, num_splits=num_splits)
 
 
+def test_more_rows_than_the_grid_holds_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        decode.plan_decode(decode.MAX_GRID_ROWS + 1, *HEAD_SHAPES[1][:3], DEVICE)
+
+
 def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan's split count follows its batch size (one split for large batches); each call
     is one launch (the last split merges), with the same constexprs whatever the count."""

@@ -74,6 +74,22 @@ def test_decodes_go_first_and_a_prompt_chunk_fills_the_rest():
     assert second.seqs == [a, b] and second.num_new_tokens == [1, 9]
 
 
+def test_decodes_go_longest_first_and_prompt_chunks_keep_their_order():
+    scheduler = make_scheduler(max_tokens_per_step=64)
+    short, long, middle = make_requests([3, 12, 7], max_tokens=4)
+    for seq in (short, long, middle):
+        scheduler.add(seq)
+    scheduler.advance(scheduler.schedule())
+    for seq in (short, long, middle):
+        seq.append_token(1)
+    late, early = make_requests([9, 5], max_tokens=4)
+    scheduler.add(late)
+    scheduler.add(early)
+    step = scheduler.schedule()
+    assert step.seqs == [long, middle, short, late, early]
+    assert step.num_new_tokens == [1, 1, 1, 9, 5]
+
+
 def test_fifo_admission_and_max_num_seqs():
     scheduler = make_scheduler(max_num_seqs=2)
     seqs = make_requests([4, 4, 4, 4])

@@ -2,7 +2,8 @@
 
 Continuous batching with chunked prefill: a step holds at most `max_num_batched_tokens`
 tokens, and may mix decodes (1 token), prompt chunks and new prompts. Running sequences
-come first, decodes before prompt chunks, then waiting sequences in arrival order. When
+come first, decodes (longest context first) before prompt chunks, then waiting sequences
+in arrival order. When
 the KV cache runs out, the most recently admitted sequence not yet scheduled this step is
 preempted: its blocks are freed and it waits to be recomputed (its tokens are kept, so
 greedy output is unchanged, and the prefix cache usually brings most of it back).
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from bcg.engine.block_manager import BlockManager
 from bcg.engine.sequence import Sequence, SequenceStatus
+from bcg.utils import leading_single_tokens
 
 
 @dataclass
@@ -30,6 +32,15 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+
+    def put_longest_decodes_first(self) -> None:
+        """Order the one-token rows at the front (the decodes, and any prompt with one
+        token left) by the KV they read, longest first. Decode attention starts its programs
+        in row order; with the long sequences first, short ones fill the device's last wave
+        instead of one long sequence running alone."""
+        num_decodes = leading_single_tokens(self.num_new_tokens)
+        self.seqs[:num_decodes] = sorted(self.seqs[:num_decodes],
+                                         key=lambda s: -s.num_computed_tokens)
 
 
 class Scheduler:
@@ -53,6 +64,7 @@ class Scheduler:
         budget = self._schedule_running(output)
         if not output.num_preempted:
             self._schedule_waiting(output, budget)
+        output.put_longest_decodes_first()
         return output
 
     def advance(self, output: SchedulerOutput) -> list[Sequence]:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from bcg.forward import ForwardBatch
+from bcg.utils import leading_single_tokens
 
 ALIGN_BYTES = 16  # Triton's pointer specialisation: every batch tensor starts on this
 
@@ -198,14 +199,6 @@ def build_host_batch(seqs: list[ScheduledSequence], num_new_tokens: list[int], b
         num_decode_seqs=leading_single_tokens(num_new_tokens),
         stateful=stateful,
     )
-
-
-def leading_single_tokens(num_new_tokens: list[int]) -> int:
-    """How many sequences at the front of the batch add one token each."""
-    for index, count in enumerate(num_new_tokens):
-        if count != 1:
-            return index
-    return len(num_new_tokens)
 
 
 def _aligned(parts: list[array]) -> array:
