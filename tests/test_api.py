@@ -120,6 +120,15 @@ def test_engine_flags_as_vllm_spells_them():
     assert (eager.prefill_graph, eager.decode_graph) == ("none", "none")
 
 
+def test_alltoall_takes_fixed_blocks_up_to_1024_tokens_unless_told():
+    def fixed(**kwargs) -> int:
+        return EngineConfig(**kwargs).alltoall_fixed_block_tokens
+
+    assert fixed(max_num_seqs=8) == 1024
+    assert fixed(max_num_seqs=2048) == 2048  # every decode step
+    assert fixed(max_num_seqs=8, ep_fixed_block_tokens=8) == 8
+
+
 def test_none_means_a_fields_default_as_in_vllm(tiny):
     llm = LLM(model=str(tiny[0]), device="cpu", max_model_len=64, max_num_batched_tokens=None,
               block_size=None, seed=None)

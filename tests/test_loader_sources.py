@@ -113,6 +113,8 @@ def test_hugging_face_config_layouts_both_parse():
     (dict(device="tpu"), "device"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(max_num_seqs=65536), r"max_num_seqs must be in \[1, 65535\], got 65536"),
+    (dict(max_num_seqs=8, ep_fixed_block_tokens=4),
+     r"ep_fixed_block_tokens must be at least max_num_seqs \(8\).*got 4"),
     (dict(hf_overrides=[("num_hidden_layers", 2)]), "hf_overrides must be a dict or None"),
     (dict(hf_overrides={2: 1}), r"hf_overrides must map config field names \(strings\)"),
     (dict(max_model_len="100"), "max_model_len must be an integer or None, got '100'"),

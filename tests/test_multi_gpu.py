@@ -51,13 +51,13 @@ GRAPH_MODES = {
 DENSE = {"tp": {}}
 MOE = {"tp": {},
        "ep-allreduce": {"enable_expert_parallel": True, "ep_dispatch": "allreduce"},
-       # max_num_seqs 4: the prefill (26 tokens) exchanges counted rows through graph breaks,
-       # the decode steps fixed-size blocks inside the decode graphs; max_num_seqs 32: the
-       # prefill too (its 32-token bucket) inside breakable segments, unless compiled
+       # fixed blocks up to 4 tokens: the prefill (26 tokens) exchanges counted rows through
+       # graph breaks, the decode steps fixed-size blocks inside the decode graphs; by
+       # default the prefill too (its 32-token bucket) inside breakable segments, unless
+       # compiled
        "ep-alltoall": {"enable_expert_parallel": True, "ep_dispatch": "alltoall",
-                       "max_num_seqs": 4},
-       "ep-alltoall fixed": {"enable_expert_parallel": True, "ep_dispatch": "alltoall",
-                             "max_num_seqs": 32}}
+                       "max_num_seqs": 4, "ep_fixed_block_tokens": 4},
+       "ep-alltoall fixed": {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}}
 # The small all-reduces through torch symmetric memory instead of NCCL (on the tiny models).
 SYMM_MEM = {"enable_torch_symm_mem": True}
 DENSE_SYMM_MEM = {**DENSE, "tp symm-mem": SYMM_MEM}
@@ -87,7 +87,8 @@ class Case:
     def reference_args(run_args: dict) -> dict:
         """The same run on the reference GPUs: tensor parallel only, experts whole."""
         return {k: v for k, v in run_args.items()
-                if k not in ("enable_expert_parallel", "ep_dispatch", *SYMM_MEM)}
+                if k not in ("enable_expert_parallel", "ep_dispatch", "ep_fixed_block_tokens",
+                             *SYMM_MEM)}
 
     def common_args(self) -> dict:
         return {"load_format": "auto" if self.tiny else "dummy", "dtype": "bfloat16",

@@ -17,12 +17,14 @@ from tests.split_runs import expert_shapes, split_runs, step_logits
 TOLERANCE = 1e-5
 
 # The runs of a case: tensor parallel; MoE also with whole experts per rank, both dispatches.
-# All-to-all with max_num_seqs 3: the prefill (26 tokens) exchanges counted rows, the decode
-# steps (3 and 1 tokens) fixed-size blocks.
+# All-to-all with fixed blocks up to 3 tokens: the prefill (26 tokens) exchanges counted
+# rows, the decode steps (3 and 1 tokens) fixed-size blocks; by default (MOE_MODES_ALL's
+# last: up to 1024 tokens) every step fixed-size blocks.
 TENSOR_PARALLEL = ({},)
+ALLTOALL = {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}
 MOE_MODES = TENSOR_PARALLEL + ({"enable_expert_parallel": True, "ep_dispatch": "allreduce"},
-                              {"enable_expert_parallel": True, "ep_dispatch": "alltoall",
-                               "max_num_seqs": 3})
+                              {**ALLTOALL, "max_num_seqs": 3, "ep_fixed_block_tokens": 3})
+MOE_MODES_ALL = MOE_MODES + (ALLTOALL,)
 
 
 # id: (arch, tensor-parallel size, config overrides, load_format, modes)
@@ -32,8 +34,9 @@ CASES = {
     "qwen3": ("qwen3", 2, {}, "auto", TENSOR_PARALLEL),
     # 4 heads, 2 KV heads: each KV head on two ranks
     "qwen3-tp4": ("qwen3", 4, {}, "auto", TENSOR_PARALLEL),
-    # experts split, then experts 0-1 and 2-3 per rank by all-reduce and by all-to-all
-    "qwen3_moe": ("qwen3_moe", 2, {}, "auto", MOE_MODES),
+    # experts split, then experts 0-1 and 2-3 per rank by all-reduce and by all-to-all (both
+    # exchanges)
+    "qwen3_moe": ("qwen3_moe", 2, {}, "auto", MOE_MODES_ALL),
     # at 4 ranks: a quarter of each expert, then one whole expert per rank
     "qwen3_moe-tp4": ("qwen3_moe", 4, {}, "auto", MOE_MODES),
     # at 8 ranks (issue 21's sizes): each of the 2 KV heads on four ranks, an eighth of each

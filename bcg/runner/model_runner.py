@@ -104,7 +104,7 @@ class ModelRunner:
         with startup_step(f"weights ({config.load_format})"):
             # Before the model is built: its layers take their experts and collectives as set.
             set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch,
-                                fixed_block_tokens=config.max_num_seqs)
+                                fixed_block_tokens=config.alltoall_fixed_block_tokens)
             self._custom_all_reduce = use_torch_symm_mem(config.enable_torch_symm_mem,
                                                          self.dtype, self.device)
             self.model = load_model(source, self.dtype, self.device, config.seed)
