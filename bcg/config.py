@@ -27,7 +27,8 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 # holds at most this many.
 MAX_NUM_SEQS = 65535
 # All-to-all expert parallel exchanges steps up to this many tokens (or max_num_seqs, if more)
-# in fixed-size blocks by default. qwen3-30b-a3b at ep2 on two H100s, breakable prefill, ms a
+# in fixed-size blocks by default. Measured at ep2 only (a rank's blocks grow with the rank
+# count as counted rows do not). qwen3-30b-a3b at ep2 on two H100s, breakable prefill, ms a
 # step, fixed blocks / counted rows: 15.6 / 74 at 64 tokens, 63 / 97-121 at 1024, 198 / 151-161
 # at 4096 (top_k times the bytes outweighs the host sync there).
 ALLTOALL_FIXED_BLOCK_TOKENS = 1024
@@ -165,8 +166,8 @@ class EngineConfig:
         "size, room for every choice on every rank (top_k times the bytes of the tokens sent; "
         "no host sync, so inside any CUDA graph); larger steps send exactly their choices, in "
         "counts the host must read (a graph break). At least max_num_seqs (decode graphs hold "
-        "the exchange); default: max(max_num_seqs, 1024), below which blocks are faster "
-        "than the host's sync on two H100s",
+        "the exchange); default: max(max_num_seqs, 1024): on two H100s (ep2) blocks beat "
+        "the host's sync up to 1024 tokens and lost at 4096",
     )
     enable_torch_symm_mem: bool = _arg(
         False,
@@ -202,7 +203,7 @@ class EngineConfig:
                 f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}")
         require(self.max_num_batched_tokens > 0,
                f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
-        require(self.ep_fixed_block_tokens is None
+        require(self.ep_fixed_block_tokens is None or not self.uses_alltoall
                 or self.ep_fixed_block_tokens >= self.max_num_seqs,
                 f"ep_fixed_block_tokens must be at least max_num_seqs ({self.max_num_seqs}): "
                 f"decode steps exchange fixed blocks inside their graphs; got "
@@ -244,6 +245,10 @@ class EngineConfig:
     @property
     def overlaps_steps(self) -> bool:
         return self.torch_device.type == "cuda" if self.overlap is None else self.overlap
+
+    @property
+    def uses_alltoall(self) -> bool:
+        return self.enable_expert_parallel and self.ep_dispatch == "alltoall"
 
     @property
     def alltoall_fixed_block_tokens(self) -> int:

@@ -2,7 +2,9 @@
 
 Configurations: `tp1` (one GPU); on two GPUs `tp2` (each expert's intermediate dimension
 split), `ep2-allreduce` (half the experts per rank, one all-reduce) and `ep2-alltoall` (each
-token sent to its experts' ranks).
+token sent to its experts' ranks); on request `ep2-alltoall-blocks`, the same with every
+step of this bench (up to 4096 tokens) exchanged in fixed-size blocks, to compare with the
+default's counted rows above 1024 tokens.
 Rows, each measured as `bench/model_suite.py` describes: prefill (eager, breakable,
 piecewise), decode engine step at batch 1, 8 and 64, bench_offline's output tok/s. Decode
 rows carry two weight-read floors per rank: `floor` (every weight, all experts) and
@@ -12,7 +14,8 @@ share, 8 x its experts / 128, as if routing were even). Targets (the MoE issue):
 ≤ piecewise on every prefill row; at decode batch 1, moe_floor_ms / ms per step ≥ 0.70
 (the step includes the host's work, the head and sampling, so this bounds the MoE layers'
 share from below). JSON: bench/results/bench_moe.json.
-Run: python bench/bench_moe.py [--configs tp1 | tp2 ep2-allreduce ep2-alltoall]
+Run: python bench/bench_moe.py [--configs tp1 | tp2 ep2-allreduce ep2-alltoall
+ep2-alltoall-blocks]
 [--parts prefill decode offline] [--offline-requests N]. Default: tp1 with one GPU, the
 three two-GPU configurations with two or more; each configuration or part can run alone
 (the JSON keeps the others' earlier rows).
@@ -39,6 +42,8 @@ SETUPS = {
     "tp2": suite.Setup(TWO_RANKS),
     "ep2-allreduce": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "allreduce"}),
     "ep2-alltoall": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall"}),
+    "ep2-alltoall-blocks": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall",
+                                        "ep_fixed_block_tokens": 4096}),
 }
 
 

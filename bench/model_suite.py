@@ -259,6 +259,8 @@ def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float 
     facts = {"config": name, "model": config.model, "tp": config.tensor_parallel_size,
              "expert_parallel": config.enable_expert_parallel,
              "ep_dispatch": config.ep_dispatch if config.enable_expert_parallel else None,
+             "ep_fixed_block_tokens": (config.alltoall_fixed_block_tokens
+                                       if config.uses_alltoall else None),
              "torch_symm_mem": config.enable_torch_symm_mem,
              "decode_graph": config.decode_graph, "device": device_name(config),
              "gpus": torch.cuda.device_count(), "torch": torch.__version__}

@@ -127,6 +127,8 @@ def test_alltoall_takes_fixed_blocks_up_to_1024_tokens_unless_told():
     assert fixed(max_num_seqs=8) == 1024
     assert fixed(max_num_seqs=2048) == 2048  # every decode step
     assert fixed(max_num_seqs=8, ep_fixed_block_tokens=8) == 8
+    # without all-to-all the flag does nothing, so it is not checked against max_num_seqs
+    assert fixed(max_num_seqs=8, ep_fixed_block_tokens=4) == 4
 
 
 def test_none_means_a_fields_default_as_in_vllm(tiny):

@@ -97,6 +97,10 @@ def test_split_counts_past_the_merge_are_refused(num_splits: int) -> None:
 def test_more_rows_than_the_grid_holds_are_refused() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         decode.plan_decode(decode.MAX_GRID_ROWS + 1, *HEAD_SHAPES[1][:3], DEVICE)
+    # the engine's cap on a step's sequences is the grid's
+    from bcg.config import MAX_NUM_SEQS
+
+    assert MAX_NUM_SEQS == decode.MAX_GRID_ROWS
 
 
 def test_split_counts_share_one_variant(monkeypatch: pytest.MonkeyPatch) -> None:

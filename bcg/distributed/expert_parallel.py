@@ -9,10 +9,10 @@ every token. Expert parallel dispatch (`--ep-dispatch`):
   the parts (capturable in any CUDA graph);
 - 'alltoall': each rank sends its slice of the tokens only to the ranks holding their
   experts and gathers the results (`bcg.layers.moe_alltoall`): steps of up to
-  `fixed_block_tokens` tokens (the engine's `ep_fixed_block_tokens`, at least its
-  max_num_seqs: every decode step) in blocks padded to a fixed size, capturable in any CUDA
-  graph; larger ones, and all under torch.compile, in sizes only the host knows, a graph
-  break.
+  `fixed_block_tokens` tokens (the engine's `EngineConfig.alltoall_fixed_block_tokens`, at
+  least its max_num_seqs: every decode step) in blocks padded to a fixed size, capturable
+  in any CUDA graph; larger ones, and all under torch.compile, in sizes only the host
+  knows, a graph break.
 Set it before the model is built (the engine does, from `EngineConfig`).
 """
 

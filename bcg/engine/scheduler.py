@@ -3,16 +3,17 @@
 Continuous batching with chunked prefill: a step holds at most `max_num_batched_tokens`
 tokens, and may mix decodes (1 token), prompt chunks and new prompts. Running sequences
 come first, decodes (longest context first) before prompt chunks, then waiting sequences
-in arrival order. When
-the KV cache runs out, the most recently admitted sequence not yet scheduled this step is
-preempted: its blocks are freed and it waits to be recomputed (its tokens are kept, so
-greedy output is unchanged, and the prefix cache usually brings most of it back).
+in arrival order. When the KV cache runs out, the most recently admitted sequence not yet
+scheduled this step is preempted: its blocks are freed and it waits to be recomputed (its
+tokens are kept, so greedy output is unchanged, and the prefix cache usually brings most of
+it back).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from bcg.engine.block_manager import BlockManager
 from bcg.engine.sequence import Sequence, SequenceStatus
@@ -40,7 +41,7 @@ class SchedulerOutput:
         instead of one long sequence running alone."""
         num_decodes = leading_single_tokens(self.num_new_tokens)
         self.seqs[:num_decodes] = sorted(self.seqs[:num_decodes],
-                                         key=lambda s: -s.num_computed_tokens)
+                                         key=attrgetter("num_computed_tokens"), reverse=True)
 
 
 class Scheduler:
