@@ -157,7 +157,8 @@ class EngineConfig:
         "(each token's choices go only to its experts' ranks and back: steps of up to "
         "ep_fixed_block_tokens tokens in blocks padded to a fixed size, capturable; larger "
         "ones, and every step of a piecewise (compiled) graph, in sizes only the host knows, "
-        "a graph break)",
+        "a graph break). allreduce is the faster: every rank holds every token (attention "
+        "is tensor parallel), so alltoall only adds exchanges",
         choices=DISPATCH_MODES,
     )
     ep_fixed_block_tokens: int | None = _arg(
