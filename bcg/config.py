@@ -27,10 +27,10 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 # holds at most this many.
 MAX_NUM_SEQS = 65535
 # All-to-all expert parallel exchanges steps up to this many tokens (or max_num_seqs, if more)
-# in fixed-size blocks by default. Measured at ep2 only (a rank's blocks grow with the rank
-# count as counted rows do not). qwen3-30b-a3b at ep2 on two H100s, breakable prefill, ms a
-# step, fixed blocks / counted rows: 15.6 / 74 at 64 tokens, 63 / 97-121 at 1024, 198 / 151-161
-# at 4096 (top_k times the bytes outweighs the host sync there).
+# in fixed-size blocks by default. Measured at ep2 only (a rank sends T x top_k rows in
+# blocks at any rank count, T x top_k / ranks counted): qwen3-30b-a3b on two H100s,
+# breakable prefill, ms a step, fixed blocks / counted rows: 15.6 / 74 at 64 tokens, 63 /
+# 97-121 at 1024, 198 / 151-161 at 4096 (top_k times the bytes outweighs the host sync).
 ALLTOALL_FIXED_BLOCK_TOKENS = 1024
 
 
