@@ -131,6 +131,16 @@ def test_alltoall_takes_fixed_blocks_up_to_1024_tokens_unless_told():
     assert fixed(max_num_seqs=8, ep_fixed_block_tokens=4) == 4
 
 
+def test_the_activation_profile_takes_the_largest_fixed_block_step_too():
+    from bcg.runner.model_runner import profiled_step_tokens
+
+    alltoall = {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}
+    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=2048)) == [2048]
+    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=2048, **alltoall)) == [
+        2048, 1024]
+    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=512, **alltoall)) == [512]
+
+
 def test_none_means_a_fields_default_as_in_vllm(tiny):
     llm = LLM(model=str(tiny[0]), device="cpu", max_model_len=64, max_num_batched_tokens=None,
               block_size=None, seed=None)

@@ -411,10 +411,12 @@ class ModelRunner:
 
     def _free_kv_bytes(self, config: EngineConfig, max_model_len: int) -> int:
         """Memory left for the KV cache: the allowed share of the GPU, minus what is in use now
-        (weights, graph pools, other processes), minus the peak activations of the largest step."""
+        (weights, graph pools, other processes), minus the peak activations of the largest
+        steps (`profiled_step_tokens`)."""
         with startup_step("activation profile"):
-            activation_bytes = self._profile_activation_bytes(
-                config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+            activation_bytes = max(
+                self._profile_activation_bytes(tokens, config.max_num_seqs, max_model_len)
+                for tokens in profiled_step_tokens(config))
         return max(0, self._gpu_budget_left(config) - activation_bytes)
 
     def _gpu_budget_left(self, config: EngineConfig) -> int:
@@ -482,3 +484,14 @@ def _plan_prompt_scoring(seqs: list[ScheduledSequence],
             scoring.targets += seq.token_ids[first + 1 : scored_end + 1]
             scoring.tops += [top] * count
     return scoring
+
+
+def profiled_step_tokens(config: EngineConfig) -> list[int]:
+    """Token counts of the steps whose peak memory bounds every step's: the largest step,
+    and under all-to-all expert parallel the largest that exchanges fixed-size blocks
+    (top_k times the bytes of a counted exchange, so it may peak higher though smaller)."""
+    sizes = [config.max_num_batched_tokens]
+    fixed = min(config.max_num_batched_tokens, config.alltoall_fixed_block_tokens)
+    if config.uses_alltoall and fixed < config.max_num_batched_tokens:
+        sizes.append(fixed)
+    return sizes
