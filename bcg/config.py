@@ -30,8 +30,9 @@ MAX_NUM_SEQS = 65535
 # in fixed-size blocks by default. Measured at ep2 only (a rank sends T x top_k rows in
 # blocks at any rank count, T x top_k / ranks counted): qwen3-30b-a3b on two H100s,
 # breakable prefill, ms a step, fixed blocks / counted rows: 15.6 / 74 at 64 tokens, 63 /
-# 97-121 at 1024, 198 / 151-161 at 4096 (top_k times the bytes outweighs the host sync).
-ALLTOALL_FIXED_BLOCK_TOKENS = 1024
+# 97-121 at 1024, 108-109 / 123-149 at 2048 (the default chunk, so by default every step),
+# 198 / 151-161 at 4096 (top_k times the bytes outweighs the host sync).
+ALLTOALL_FIXED_BLOCK_TOKENS = 2048
 
 
 def _arg(default, help: str, **extra):
@@ -167,8 +168,8 @@ class EngineConfig:
         "size, room for every choice on every rank (top_k times the bytes of the tokens sent; "
         "no host sync, so inside any CUDA graph); larger steps send exactly their choices, in "
         "counts the host must read (a graph break). At least max_num_seqs (decode graphs hold "
-        "the exchange); default: max(max_num_seqs, 1024): on two H100s (ep2) blocks beat "
-        "the host's sync up to 1024 tokens and lost at 4096",
+        "the exchange); default: max(max_num_seqs, 2048): on two H100s (ep2) blocks beat "
+        "the host's sync up to 2048 tokens and lost at 4096",
     )
     enable_torch_symm_mem: bool = _arg(
         False,

@@ -120,12 +120,12 @@ def test_engine_flags_as_vllm_spells_them():
     assert (eager.prefill_graph, eager.decode_graph) == ("none", "none")
 
 
-def test_alltoall_takes_fixed_blocks_up_to_1024_tokens_unless_told():
+def test_alltoall_takes_fixed_blocks_up_to_2048_tokens_unless_told():
     def fixed(**kwargs) -> int:
         return EngineConfig(**kwargs).alltoall_fixed_block_tokens
 
-    assert fixed(max_num_seqs=8) == 1024
-    assert fixed(max_num_seqs=2048) == 2048  # every decode step
+    assert fixed(max_num_seqs=8) == 2048
+    assert fixed(max_num_seqs=4096) == 4096  # every decode step
     assert fixed(max_num_seqs=8, ep_fixed_block_tokens=8) == 8
     # without all-to-all the flag does nothing, so it is not checked against max_num_seqs
     assert fixed(max_num_seqs=8, ep_fixed_block_tokens=4) == 4
@@ -135,10 +135,10 @@ def test_the_activation_profile_takes_the_largest_fixed_block_step_too():
     from bcg.runner.model_runner import profiled_step_tokens
 
     alltoall = {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}
-    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=2048)) == [2048]
-    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=2048, **alltoall)) == [
-        2048, 1024]
-    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=512, **alltoall)) == [512]
+    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=4096)) == [4096]
+    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=4096, **alltoall)) == [
+        4096, 2048]
+    assert profiled_step_tokens(EngineConfig(max_num_batched_tokens=2048, **alltoall)) == [2048]
 
 
 def test_none_means_a_fields_default_as_in_vllm(tiny):

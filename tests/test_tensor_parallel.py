@@ -19,7 +19,7 @@ TOLERANCE = 1e-5
 # The runs of a case: tensor parallel; MoE also with whole experts per rank, both dispatches.
 # All-to-all with fixed blocks up to 3 tokens: the prefill (26 tokens) exchanges counted
 # rows, the decode steps (3 and 1 tokens) fixed-size blocks; by default (MOE_MODES_ALL's
-# last: up to 1024 tokens) every step fixed-size blocks.
+# last: up to 2048 tokens) every step fixed-size blocks.
 TENSOR_PARALLEL = ({},)
 ALLTOALL = {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}
 MOE_MODES = TENSOR_PARALLEL + ({"enable_expert_parallel": True, "ep_dispatch": "allreduce"},

@@ -7,13 +7,14 @@ slice of the step's tokens, sends each of their choices to the rank holding its 
 back, weights and sums each token's choices, and all-gathers the slices. Two forms, picked
 by the step's size alone, so every rank picks the same (SGLang's DeepEP 'auto' mode):
 - steps of at most `fixed_block_tokens` tokens (the engine's
-  `EngineConfig.alltoall_fixed_block_tokens`: by default max(max_num_seqs, 1024), so every
-  decode step) exchange blocks of a fixed size, room for every choice of a rank's slice on
-  one rank, the unused rows marked with expert -1: no count reaches the host, so the
-  exchange runs inside any CUDA graph (DeepEP's low-latency mode). That costs top_k times
-  the slice's bytes to each rank (at 256 tokens, top-8 and hidden 4096, 16 MiB a rank per
-  exchange), less than a host sync per layer up to about a thousand tokens
-  (`bcg.config.ALLTOALL_FIXED_BLOCK_TOKENS` has the measurements);
+  `EngineConfig.alltoall_fixed_block_tokens`: by default max(max_num_seqs, 2048), so every
+  decode step and every prefill chunk of the default size) exchange blocks of a fixed
+  size, room for every choice of a rank's slice on one rank, the unused rows marked with
+  expert -1: no count reaches the host, so the exchange runs inside any CUDA graph
+  (DeepEP's low-latency mode). That costs top_k times the slice's bytes to each rank (at
+  256 tokens, top-8 and hidden 4096, 16 MiB a rank per exchange), less than a host sync
+  per layer up to about two thousand tokens (`bcg.config.ALLTOALL_FIXED_BLOCK_TOKENS` has
+  the measurements);
 - larger ones send exactly their choices, in row counts per rank that the host must know
   (a sync): one `step_op`, a graph break in breakable graphs, outside the compiled region
   under torch.compile. Only the real rows are exchanged: graph padding rows may differ
