@@ -15,7 +15,6 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from bcg.config import MAX_NUM_SEQS
 from bcg.forward import ForwardBatch, ForwardContext, KVStore
 from bcg.layers import triton_ops
 from bcg.layers.attention_ref import paged_attention_ref
@@ -87,9 +86,10 @@ class TritonAttention(AttentionBackend):
 
     def _decode_plan(self, num_seqs: int) -> Any:
         """The decode kernel's split count and workspace: one per power-of-two batch size
-        (or MAX_NUM_SEQS, the most a step holds), shared by all layers and steps (and by
-        the decode graphs of that size and mixed steps, which never run at once)."""
-        size = min(1 << (num_seqs - 1).bit_length(), MAX_NUM_SEQS)
+        (or the most rows the kernel takes, which max_num_seqs stays within), shared by all
+        layers and steps (and by the decode graphs of that size and mixed steps, which
+        never run at once)."""
+        size = min(1 << (num_seqs - 1).bit_length(), triton_ops.MAX_DECODE_ROWS)
         if size not in self._decode_plans:
             self._decode_plans[size] = triton_ops.plan_decode(
                 size, self.num_heads, self.num_kv_heads, self.head_dim, self.device)

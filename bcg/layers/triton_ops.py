@@ -14,6 +14,7 @@ import torch
 
 try:
     from bcg.kernels.activation import relu_squared, silu_and_mul
+    from bcg.kernels.decode_attention import MAX_GRID_ROWS as MAX_DECODE_ROWS
     from bcg.kernels.decode_attention import decode_attention, plan_decode
     from bcg.kernels.extend_attention import extend_attention
     from bcg.kernels.fused_moe import fused_experts as fused_experts_kernel
@@ -30,11 +31,11 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-__all__ = ["add_rms_norm", "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen",
-           "decode_attention", "extend_attention", "fused_experts", "gated_rms_norm",
-           "plan_decode", "relu_squared", "rms_norm", "route_top_k", "selective_state_update",
-           "silu_and_mul", "skinny_linear", "ssd_scan_varlen", "store_kv", "use_fused_kernels",
-           "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
+__all__ = ["MAX_DECODE_ROWS", "add_rms_norm", "apply_rotary", "causal_conv1d_update",
+           "causal_conv1d_varlen", "decode_attention", "extend_attention", "fused_experts",
+           "gated_rms_norm", "plan_decode", "relu_squared", "rms_norm", "route_top_k",
+           "selective_state_update", "silu_and_mul", "skinny_linear", "ssd_scan_varlen", "store_kv",
+           "use_fused_kernels", "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:
