@@ -4,7 +4,7 @@ Configurations: `tp1` (one GPU); on two GPUs `tp2` (each expert's intermediate d
 split), `ep2-allreduce` (half the experts per rank, one all-reduce) and `ep2-alltoall` (each
 token sent to its experts' ranks); on request `ep2-alltoall-blocks`, the same with every
 step of this bench (up to 4096 tokens) exchanged in fixed-size blocks, to compare with the
-default's counted rows above 1024 tokens.
+default's counted rows above 2048 tokens.
 Rows, each measured as `bench/model_suite.py` describes: prefill (eager, breakable,
 piecewise), decode engine step at batch 1, 8 and 64, bench_offline's output tok/s. Decode
 rows carry two weight-read floors per rank: `floor` (every weight, all experts) and
