@@ -17,7 +17,8 @@ from torch import nn
 from bcg.graph import CaptureNeedsWarmUp, abandon_capture
 from bcg.kernels import _launch as launch
 from bcg.kernels._launch import CachedLauncher
-from bcg.layers.activation import ReluSquared, silu_and_mul
+from bcg.layers.activation import ReluSquared
+from bcg.layers.activation import silu_and_mul as silu_and_mul_layer
 from bcg.layers.attention_ref import store_kv as store_kv_ref
 from bcg.layers.norm import GatedRMSNorm, RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
@@ -201,7 +202,7 @@ def test_rotary_storing_kv_equals_rotary_then_store(head_shape: tuple, norms: bo
 def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
     x = rand(num_tokens, 2 * intermediate, generator=torch.Generator().manual_seed(3))
     out = activation.silu_and_mul(x)
-    assert relative_error(out, silu_and_mul(cpu32(x))) <= TOLERANCE
+    assert relative_error(out, silu_and_mul_layer(cpu32(x))) <= TOLERANCE
 
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
@@ -237,7 +238,7 @@ def test_cached_launch_tells_alignments_apart() -> None:
     flat = rand(rows * width + 1, generator=torch.Generator().manual_seed(8))
     aligned, misaligned = flat[:-1].view(rows, width), flat[1:].view(rows, width)
     for x in (aligned, misaligned, aligned, misaligned):
-        assert relative_error(activation.silu_and_mul(x), silu_and_mul(cpu32(x))) <= TOLERANCE
+        assert relative_error(activation.silu_and_mul(x), silu_and_mul_layer(cpu32(x))) <= TOLERANCE
 
 
 @pytest.mark.gpu

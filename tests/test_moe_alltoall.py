@@ -24,8 +24,8 @@ from bcg.utils import free_port
 from tests.numerics import relative_error
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 16, 12, 2
-FIXED_BLOCK_TOKENS = 6  # steps up to this size exchange fixed blocks (the engine's
-# alltoall_fixed_block_tokens)
+# Steps up to this size exchange fixed blocks (the engine's alltoall_fixed_block_tokens).
+FIXED_BLOCK_TOKENS = 6
 TOLERANCE = 1e-5
 
 

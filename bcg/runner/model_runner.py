@@ -490,8 +490,5 @@ def profiled_step_tokens(config: EngineConfig) -> list[int]:
     """Token counts of the steps whose peak memory bounds every step's: the largest step,
     and under all-to-all expert parallel the largest that exchanges fixed-size blocks
     (top_k times the bytes of a counted exchange, so it may peak higher though smaller)."""
-    sizes = [config.max_num_batched_tokens]
-    fixed = min(config.max_num_batched_tokens, config.alltoall_fixed_block_tokens)
-    if config.uses_alltoall and fixed < config.max_num_batched_tokens:
-        sizes.append(fixed)
-    return sizes
+    largest, fixed = config.max_num_batched_tokens, config.alltoall_fixed_block_tokens
+    return [largest, fixed] if config.uses_alltoall and fixed < largest else [largest]
