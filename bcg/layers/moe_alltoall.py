@@ -100,9 +100,12 @@ def _exchange_counted(layer: FusedMoE, hidden_states: torch.Tensor, topk_weights
     choices = topk_ids[start:stop].flatten().long()
     owner = torch.div(choices, layer.local_experts, rounding_mode="floor")
     order = torch.sort(owner, stable=True).indices  # choices grouped by destination rank
-    send_counts = torch.bincount(owner, minlength=tp.size)
+    # Counted without torch.bincount, which reads its largest value on the host, and both
+    # counts read in one go: a single host sync a layer.
+    ranks = torch.arange(tp.size, device=owner.device)
+    send_counts = (owner[:, None] == ranks).sum(dim=0)
     recv_counts = tp.all_to_all(send_counts, [1] * tp.size, [1] * tp.size)
-    sends, receives = send_counts.tolist(), recv_counts.tolist()
+    sends, receives = torch.stack([send_counts, recv_counts]).tolist()
 
     rows = tp.all_to_all(hidden_states[start:stop][order // top_k], sends, receives)
     experts = tp.all_to_all((choices[order] % layer.local_experts).to(torch.int32), sends,
