@@ -21,7 +21,7 @@ try:
     from bcg.kernels.kv_store import store_kv
     from bcg.kernels.mamba_conv import causal_conv1d_update, causal_conv1d_varlen
     from bcg.kernels.mamba_scan import selective_state_update, ssd_scan_varlen
-    from bcg.kernels.moe_routing import route_top_k
+    from bcg.kernels.moe_routing import MAX_FUSED_ROUTER_TOKENS, route_hidden_top_k, route_top_k
     from bcg.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
     from bcg.kernels.rotary import apply_rotary
     from bcg.kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS
@@ -30,12 +30,14 @@ try:
     HAVE_TRITON = True
 except ImportError:
     HAVE_TRITON = False
+    MAX_FUSED_ROUTER_TOKENS = 0
 
-__all__ = ["MAX_DECODE_ROWS", "add_rms_norm", "apply_rotary", "causal_conv1d_update",
-           "causal_conv1d_varlen", "decode_attention", "extend_attention", "fused_experts",
-           "gated_rms_norm", "plan_decode", "relu_squared", "rms_norm", "route_top_k",
-           "selective_state_update", "silu_and_mul", "skinny_linear", "ssd_scan_varlen", "store_kv",
-           "use_fused_kernels", "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
+__all__ = ["MAX_DECODE_ROWS", "MAX_FUSED_ROUTER_TOKENS", "add_rms_norm", "apply_rotary",
+           "causal_conv1d_update", "causal_conv1d_varlen", "decode_attention",
+           "extend_attention", "fused_experts", "gated_rms_norm", "plan_decode", "relu_squared",
+           "rms_norm", "route_hidden_top_k", "route_top_k", "selective_state_update",
+           "silu_and_mul", "skinny_linear", "ssd_scan_varlen", "store_kv", "use_fused_kernels",
+           "uses_fused_router", "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -58,6 +60,13 @@ def uses_skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = Fals
     a weight wide enough to keep the multiprocessors streaming (cuBLAS takes the rest)."""
     return (use_fused_kernels(x) and x.shape[0] <= SKINNY_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and fills_device(weight, gated))
+
+
+def uses_fused_router(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
+    """Whether a mixture-of-experts layer routes `x` from its hidden states in one launch
+    (router GEMM and top-k): decode-sized steps on CUDA, outside torch.compile."""
+    return (use_fused_kernels(x) and x.shape[0] <= MAX_FUSED_ROUTER_TOKENS
+            and x.dtype == router_weight.dtype)
 
 
 def uses_moe_kernel(x: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import re
 import torch
 from torch import nn
 
+from bcg.layers import triton_ops
 from bcg.layers.fused_moe import FusedMoE, select_experts
 from bcg.layers.linear import ColumnParallelLinear
 from bcg.models.config import ModelConfig
@@ -31,11 +32,20 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.gate = ColumnParallelLinear(config.hidden_size, [config.num_experts], parts=[1])
         self.experts = FusedMoE(config.num_experts, config.hidden_size,
                                 config.moe_intermediate_size)
+        # Each token's programs of the one-launch router count in here (zero between calls).
+        self.register_buffer("route_arrivals", torch.zeros(
+            triton_ops.MAX_FUSED_ROUTER_TOKENS, dtype=torch.int32), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(hidden_states), self.top_k,
-                                                self.renormalize)
-        return self.experts(hidden_states, topk_weights, topk_ids)
+        return self.experts(hidden_states, *self.route(hidden_states))
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k routing weights and expert ids."""
+        router = self.gate.weight
+        if triton_ops.uses_fused_router(hidden_states, router):
+            return triton_ops.route_hidden_top_k(hidden_states, router, self.top_k,
+                                                 self.renormalize, self.route_arrivals)
+        return select_experts(self.gate(hidden_states), self.top_k, self.renormalize)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
