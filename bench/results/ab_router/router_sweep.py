@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common import time_per_call_ms  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from skinny_small_n import graph_us  # noqa: E402
 
 from bcg.kernels import moe_routing as mr  # noqa: E402
 from bcg.kernels._launch import next_power_of_2  # noqa: E402
@@ -15,18 +16,6 @@ from bcg.utils import cdiv  # noqa: E402
 
 DT = torch.bfloat16
 SETS = 16
-
-
-def graph_us(calls) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(4):
-            for c in calls:
-                c()
-    return time_per_call_ms(g.replay, iters=50) * 1e3 / (4 * len(calls))
 
 
 def fused(x, w, arrivals, per_program, block_h, warps):
