@@ -156,6 +156,7 @@ def _store_top_k(logits, weights_ptr, ids_ptr, NUM_EXPERTS: tl.constexpr, TOP_K:
 
 _launch_route = CachedLauncher(_route_kernel)
 
+
 @triton.jit
 def _router_route_kernel(
     x_ptr, w_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
