@@ -2,9 +2,10 @@
 
 Configurations: `tp1` (one GPU); on two GPUs `tp2` (each expert's intermediate dimension
 split), `ep2-allreduce` (half the experts per rank, one all-reduce) and `ep2-alltoall` (each
-token sent to its experts' ranks); on request `ep2-alltoall-blocks`, the same with every
-step of this bench (up to 4096 tokens) exchanged in fixed-size blocks, to compare with the
-default's counted rows above 2048 tokens.
+token sent to its experts' ranks); on request `tp2-symm-mem` (tp2 with
+`--enable-torch-symm-mem`, decode and offline) and `ep2-alltoall-blocks` (ep2-alltoall with
+every step of this bench, up to 4096 tokens, exchanged in fixed-size blocks, to compare with
+the default's counted rows above 2048 tokens).
 Rows, each measured as `bench/model_suite.py` describes: prefill (eager, breakable,
 piecewise), decode engine step at batch 1, 8 and 64, bench_offline's output tok/s. Decode
 rows carry two weight-read floors per rank: `floor` (every weight, all experts) and
@@ -15,7 +16,7 @@ share, 8 x its experts / 128, as if routing were even). Targets (the MoE issue):
 (the step includes the host's work, the head and sampling, so this bounds the MoE layers'
 share from below). JSON: bench/results/bench_moe.json.
 Run: python bench/bench_moe.py [--configs tp1 | tp2 ep2-allreduce ep2-alltoall
-ep2-alltoall-blocks]
+tp2-symm-mem ep2-alltoall-blocks]
 [--parts prefill decode offline] [--offline-requests N]. Default: tp1 with one GPU, the
 three two-GPU configurations with two or more; each configuration or part can run alone
 (the JSON keeps the others' earlier rows).
@@ -40,6 +41,9 @@ EXPERT_PARALLEL = {**TWO_RANKS, "enable_expert_parallel": True}
 SETUPS = {
     "tp1": suite.Setup({"model": MODEL}),
     "tp2": suite.Setup(TWO_RANKS),
+    # small all-reduces through torch symmetric memory instead of NCCL (on request)
+    "tp2-symm-mem": suite.Setup({**TWO_RANKS, "enable_torch_symm_mem": True},
+                                parts=("decode", "offline")),
     "ep2-allreduce": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "allreduce"}),
     "ep2-alltoall": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall"}),
     "ep2-alltoall-blocks": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall",
