@@ -1,5 +1,5 @@
 """The one-launch all-reduce + residual add + RMSNorm on one process, a peer rank played by
-hand: its buffers are plain tensors, its row already written and its signal already sent
+hand: its buffers are plain tensors, its row already received and its signal already sent
 (Triton's interpreter on the CPU, fp32; bf16 on a GPU). Two GPUs run it for real in
 tests/test_symm_mem.py."""
 
@@ -21,7 +21,8 @@ class TwoRanks:
     """Rank `rank`'s view of two ranks' slots and signals, rank `1 - rank` simulated."""
 
     def __init__(self, rank: int) -> None:
-        self.data = [torch.zeros(2 * SLOT_NUMEL, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+        self.data = [torch.zeros(2 * 2 * SLOT_NUMEL, dtype=DTYPE, device=DEVICE)
+                     for _ in range(2)]
         self.flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32, device=DEVICE)
                       for _ in range(2)]
         self.rank, self.peer = rank, 1 - rank
@@ -29,12 +30,15 @@ class TwoRanks:
             [d.data_ptr() for d in self.data], [f.data_ptr() for f in self.flags], rank,
             SLOT_NUMEL, MAX_ROWS, DTYPE, torch.device(DEVICE))
 
+    def slot(self, receiver: int, sender: int, epoch: int, numel: int) -> torch.Tensor:
+        start = ((epoch % 2) * 2 + sender) * SLOT_NUMEL
+        return self.data[receiver][start:start + numel]
+
     def peer_sends(self, part: torch.Tensor, epoch: int) -> None:
-        """The peer's call `epoch`: its row in its slot, its signal in this rank's flags."""
-        rows, width = part.shape
-        start = (epoch % 2) * SLOT_NUMEL
-        self.data[self.peer][start:start + rows * width] = part.reshape(-1)
-        self.flags[self.rank].view(MAX_ROWS, 2)[:rows, self.peer] = epoch
+        """The peer's call `epoch`: its rows in this rank's slot for it, its signal in this
+        rank's flags."""
+        self.slot(self.rank, self.peer, epoch, part.numel()).copy_(part.reshape(-1))
+        self.flags[self.rank].view(MAX_ROWS, 2)[: part.shape[0], self.peer] = epoch
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -57,9 +61,8 @@ def test_matches_the_sum_then_add_rms_norm_over_calls(rank: int, rows: int, widt
         assert got_residual is residual
         torch.testing.assert_close(residual, expected_residual, atol=TOLERANCE, rtol=TOLERANCE)
         torch.testing.assert_close(out, expected_out, atol=TOLERANCE, rtol=TOLERANCE)
-        # This rank's row went to its slot and its signal to the peer.
-        start = (epoch % 2) * SLOT_NUMEL
-        assert torch.equal(ranks.data[rank][start:start + rows * width], mine.reshape(-1))
+        # This rank's rows went to the peer's slot for it, and its signal too.
+        assert torch.equal(ranks.slot(ranks.peer, rank, epoch, mine.numel()), mine.reshape(-1))
         assert ranks.flags[ranks.peer].view(MAX_ROWS, 2)[:rows, rank].tolist() == [epoch] * rows
         assert ranks.peers.epochs[:rows].tolist() == [epoch] * rows
 

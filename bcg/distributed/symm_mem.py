@@ -136,12 +136,13 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     if tp.size not in TWO_SHOT_WORLD_SIZES:  # the one-shot kernel only; larger go to NCCL
         max_bytes = min(max_bytes, one_shot_max_bytes)
     reason = _unsupported(tp, dtype, device)
-    # After the all-reduce's buffer: the fused kernel's two slots and its signals.
-    total_bytes = max_bytes + 2 * one_shot_max_bytes + FUSED_FLAG_BYTES
+    # After the all-reduce's buffer: the fused kernel's slots and its signals.
+    flags_at = max_bytes + _fused_slot_bytes(tp.size, one_shot_max_bytes)
+    total_bytes = flags_at + FUSED_FLAG_BYTES
     buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
     if _agreed(tp, buffer is not None, reason):
-        _flags_region(buffer, max_bytes, one_shot_max_bytes).zero_()
+        buffer[flags_at // buffer.element_size():].zero_()
         torch.cuda.synchronize(device)  # zero before any peer can signal into it
         handle, reason = _rendezvous(buffer, tp.group.group_name)
         if _agreed(tp, reason is None, reason):
@@ -159,10 +160,9 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     return None
 
 
-def _flags_region(buffer: torch.Tensor, max_bytes: int, one_shot_max_bytes: int) -> torch.Tensor:
-    """The fused kernel's int32 signals at the buffer's end."""
-    start = (max_bytes + 2 * one_shot_max_bytes) // buffer.element_size()
-    return buffer[start:].view(torch.int32)
+def _fused_slot_bytes(world_size: int, one_shot_max_bytes: int) -> int:
+    """The fused kernel's slots: one per sender for each of two calls in a row."""
+    return 2 * world_size * one_shot_max_bytes
 
 
 def _fused_rows(buffer: torch.Tensor, handle: object, max_bytes: int,
@@ -174,7 +174,7 @@ def _fused_rows(buffer: torch.Tensor, handle: object, max_bytes: int,
         return None
     offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
     bases = [base + offset for base in handle.buffer_ptrs]
-    flags_at = max_bytes + 2 * one_shot_max_bytes
+    flags_at = max_bytes + _fused_slot_bytes(handle.world_size, one_shot_max_bytes)
     return PeerRows([base + max_bytes for base in bases], [base + flags_at for base in bases],
                     handle.rank, one_shot_max_bytes // buffer.element_size(), FUSED_MAX_ROWS,
                     buffer.dtype, buffer.device)

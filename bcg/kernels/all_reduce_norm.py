@@ -3,16 +3,17 @@ launch over buffers every rank has mapped (symmetric memory).
 
 In a decode step of a tensor-parallel model each row-parallel projection's output is summed
 over the ranks, added to the residual and normalised: an all-reduce launch then a norm
-launch, each costing a few microseconds beyond its bytes. Here one program a row copies its
-rank's part of the row into this rank's buffer, signals every peer, waits for every peer's
-signal, sums the parts in rank order (so every rank computes the same bits) and adds and
-normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does.
+launch, each costing a few microseconds beyond its bytes. Here one program a row writes its
+rank's part of the row into every peer's buffer (stores over NVLink need no answer, where
+reading a peer's memory waits for one), signals every peer, waits for every peer's signal,
+sums the parts in its own buffer in rank order (so every rank computes the same bits) and
+adds and normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does.
 
 The signals are call counters (`epochs`, one a row on each rank, the same on every rank as
 all ranks make the same calls), so no reset is needed between calls and a CUDA graph can
-replay the launch. Buffers alternate between two slots by the counter's parity: a peer
-writes a slot again only two calls later, after this rank's signal of the call between,
-which it sends once it has read the slot.
+replay the launch. Each rank's buffer has a slot per sender for each parity of the counter:
+a peer writes a slot again only two calls later, after this rank's signal of the call
+between, which it sends once it has read the slot.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
         x: `[rows, N]`, this rank's part, last dim contiguous; `peers.takes(x)`.
         residual: `[rows, N]`, `x`'s dtype, updated in place.
         norm_weight: `[N]`.
-        peers: the ranks' mapped buffers and signals.
+        peers: the ranks' mapped slots and signals.
         out: `[rows, N]` (allocated if None).
 
     Returns `(out, residual)`.
@@ -70,8 +71,9 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
 
 class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
-    two data slots of `slot_numel` elements and of its `max_rows x world_size` int32 signals
-    (zero before the first call), and this rank's row counters."""
+    `2 x world_size` slots of `slot_numel` elements (one per counter parity and sender) and
+    of its `max_rows x world_size` int32 signals (zero before the first call), and this
+    rank's row counters."""
 
     def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
                  slot_numel: int, max_rows: int, dtype: torch.dtype,
@@ -108,10 +110,12 @@ def _all_reduce_add_norm_kernel(
     dtype = x_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     tl.store(epochs_ptr + row, epoch)
-    slot_offset = (epoch & 1) * SLOT_NUMEL + row * N
+    row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * N  # + sender x SLOT_NUMEL
     x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
-    own_data = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
-    tl.store(own_data + slot_offset + cols, x, mask=mask)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            peer_data = tl.load(data_ptrs + peer).to(tl.pointer_type(dtype))
+            tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
     tl.debug_barrier()  # the whole row stored before any peer hears of it
     for peer in tl.static_range(WORLD):
         if peer != RANK:
@@ -126,15 +130,15 @@ def _all_reduce_add_norm_kernel(
                 seen = tl.atomic_add(own_flags + row * WORLD + peer, 0, sem="acquire",
                                      scope="sys")
     tl.debug_barrier()
+    own_data = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for peer in tl.static_range(WORLD):  # rank order: the same sum on every rank
-        if peer == RANK:
+    for sender in tl.static_range(WORLD):  # rank order: the same sum on every rank
+        if sender == RANK:
             total += x.to(tl.float32)
         else:
-            peer_data = tl.load(data_ptrs + peer).to(tl.pointer_type(dtype))
             # Past the caches: the slot held other values two calls ago.
-            total += tl.load(peer_data + slot_offset + cols, mask=mask, other=0.0,
-                             cache_modifier=".cv").to(tl.float32)
+            total += tl.load(own_data + row_offset + sender * SLOT_NUMEL + cols, mask=mask,
+                             other=0.0, cache_modifier=".cv").to(tl.float32)
     residual_ptrs = residual_ptr + row * STRIDE_RES + cols
     summed = total.to(dtype).to(tl.float32)  # rounded, as the all-reduce's output would be
     hidden = (summed + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
