@@ -139,6 +139,47 @@ def test_all_reduce_sends_what_the_kernel_takes_to_it_and_the_rest_to_the_group(
     assert tp.all_reduce(large) is large and group_calls == [9]  # in place, through the group
 
 
+class FakeFusedKernel(FakeKernel):
+    """Also runs the all-reduce + add + norm for at most `largest_fused` rows."""
+
+    def __init__(self, largest: int, largest_fused: int) -> None:
+        super().__init__(largest)
+        self.largest_fused, self.fused_calls = largest_fused, 0
+
+    def takes_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return x.shape[0] <= self.largest_fused
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        self.fused_calls += 1
+        residual += x * 2
+        return weight * residual, residual
+
+
+def test_a_norm_after_a_ranks_part_takes_the_fused_kernel_where_it_can(monkeypatch):
+    """`RMSNorm.add_and_norm` with a group: the fused kernel for what it takes, else the
+    all-reduce (kernel or group) then the add and the norm; the first layer's norm, with
+    no residual yet, never fuses."""
+    from bcg.layers.norm import RMSNorm
+
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group: x.mul_(2))
+    kernel = FakeFusedKernel(largest=8, largest_fused=2)
+    tp = TensorParallel(0, 2, group="world", custom_all_reduce=kernel)
+    norm = RMSNorm(4, eps=1e-6)
+    for rows, fused in ((2, True), (3, False), (1, True)):
+        x, residual = torch.randn(rows, 4), torch.randn(rows, 4)
+        calls_before = kernel.fused_calls
+        if fused:  # what the fake kernel returns
+            expected = (norm.weight * (residual + x * 2), residual + x * 2)
+        else:  # 12 elements: past the fake's all-reduce too, so the group's
+            expected = norm.add_and_norm(x * 2, residual.clone())
+        got = norm.add_and_norm(x.clone(), residual.clone(), tp)
+        assert kernel.fused_calls - calls_before == fused and kernel.calls == 0
+        torch.testing.assert_close(got, expected)
+    out, residual = norm.add_and_norm(torch.ones(1, 4), None, tp)  # 4 elements: the kernel
+    assert kernel.calls == 1 and torch.equal(residual, torch.full((1, 4), 2.0))
+    assert kernel.fused_calls == 2
+
+
 def test_a_replaced_or_destroyed_kernel_is_released():
     first, second = FakeKernel(8), FakeKernel(8)
     try:
