@@ -55,6 +55,7 @@ class NemotronHBlock(nn.Module):
 
     @property
     def input_layernorm(self) -> RMSNorm:
+        """The block's pre-norm, by the name `run_residual_stack` reads."""
         return self.norm
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
