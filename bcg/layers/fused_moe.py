@@ -22,6 +22,7 @@ from bcg.layers import triton_ops
 from bcg.layers.linear import copy_checked
 from bcg.layers.moe_alltoall import alltoall_experts
 from bcg.layers.moe_ref import fused_experts_ref
+from bcg.layers.norm import RMSNorm
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -70,9 +71,24 @@ class FusedMoE(nn.Module):
         the same on every rank."""
         if self.alltoall:
             return alltoall_experts(self, hidden_states, topk_weights, topk_ids)
+        return self.tp.all_reduce(self.rank_part(hidden_states, topk_weights, topk_ids))
+
+    def add_and_norm(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm.add_and_norm(self(...), residual)`; the ranks' sum, if any, left to the
+        norm, which runs the all-reduce, the add and the norm as one kernel where it can."""
+        if self.alltoall:
+            return norm.add_and_norm(self(hidden_states, topk_weights, topk_ids), residual)
+        return norm.add_and_norm(self.rank_part(hidden_states, topk_weights, topk_ids),
+                                 residual, self.tp)
+
+    def rank_part(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output's sum over the ranks (not under all-to-all)."""
         if self.local_experts != self.num_experts:
             topk_ids = self.local_expert_ids(topk_ids)
-        return self.tp.all_reduce(self.compute(hidden_states, topk_weights, topk_ids))
+        return self.compute(hidden_states, topk_weights, topk_ids)
 
     def compute(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ weights load block by block, each rank narrowing the full tensor to its part.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from torch import nn
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.layers import triton_ops
 from bcg.layers.activation import silu_and_mul
+
+if TYPE_CHECKING:
+    from bcg.layers.norm import RMSNorm
 
 
 def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -140,6 +144,14 @@ class RowParallelLinear(Linear):
             return self.matmul(x, self.bias)
         y = self.tp.all_reduce(self.matmul(x, None))  # the bias added once, after the sum
         return y if self.bias is None else y + self.bias
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm.add_and_norm(self(x), residual)`; without a bias the ranks' sum is left to
+        the norm, which runs the all-reduce, the add and the norm as one kernel where it can."""
+        if self.bias is not None:
+            return norm.add_and_norm(self(x), residual)
+        return norm.add_and_norm(self.matmul(x, None), residual, self.tp)
 
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:
         """Copy this rank's input columns of checkpoint tensor `name` (a bias whole)."""

@@ -22,7 +22,7 @@ from bcg.distributed.parallel_state import tensor_parallel
 from bcg.forward import get_forward_context
 from bcg.graph import bridge_buffer
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear, load_rank_blocks
-from bcg.layers.norm import GatedRMSNorm
+from bcg.layers.norm import GatedRMSNorm, RMSNorm
 from bcg.layers.step_op import step_op
 from bcg.models.config import MambaConfig
 
@@ -92,8 +92,10 @@ class MambaMixer2(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.A.copy_(-torch.exp(self.A_log.float()))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[T, hidden]` -> `[T, hidden]`; T >= the live token count (rows past it are graph
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[T, hidden]` -> the mixer's output added to `residual`, then normalised by
+        `norm`: `(normed, residual)`; T >= the live token count (rows past it are graph
         padding: they touch no state and their output is never read)."""
         tokens, dtype, device = hidden_states.shape[0], hidden_states.dtype, hidden_states.device
         shape = (tokens, self.in_proj.weight.shape[0])
@@ -104,7 +106,7 @@ class MambaMixer2(nn.Module):
             output = hidden_states.new_empty(tokens, self.inner_size)
         mix(self, projected, output)
         gate = projected[:, : self.inner_size]
-        return self.out_proj(self.norm(output, gate))
+        return self.out_proj.add_and_norm(self.norm(output, gate), residual, norm)
 
 
 def _mix(layer: MambaMixer2, projected: torch.Tensor, output: torch.Tensor) -> None:

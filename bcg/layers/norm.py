@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bcg.distributed.parallel_state import TensorParallel
 from bcg.layers import triton_ops
 from bcg.layers.linear import load_rank_blocks
 from bcg.layers.triton_ops import use_fused_kernels
@@ -26,11 +27,19 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(norm(x + residual), x + residual)`: the new hidden state and residual
         (`(norm(x), x)` before the first layer, with no residual yet). With the fused kernel
-        the sum is written into `residual` in place."""
+        the sum is written into `residual` in place. With `tp`, `x` is this rank's part of a
+        sum over its ranks: the all-reduce runs first, in the same kernel as the add and the
+        norm where the group's custom all-reduce takes them."""
+        if tp is not None and tp.size > 1:
+            fused = tp.custom_all_reduce
+            if residual is not None and fused is not None and fused.takes_add_rms_norm(
+                    x, residual):
+                return fused.add_rms_norm(x, residual, self.weight, self.eps)
+            x = tp.all_reduce(x)
         if residual is None:
             return self(x), x
         if use_fused_kernels(x):

@@ -22,12 +22,15 @@ from bcg.models.config import ModelConfig
 
 def run_residual_stack(layers: nn.ModuleList, positions: torch.Tensor,
                        hidden_states: torch.Tensor, final_norm: RMSNorm) -> torch.Tensor:
-    """Pre-norm layers, each called `(positions, hidden, residual) -> (hidden, residual)`
-    (the residual add fused into the next norm), then the final norm of their sum."""
-    residual = None
-    for layer in layers:
-        hidden_states, residual = layer(positions, hidden_states, residual)
-    hidden_states, _ = final_norm.add_and_norm(hidden_states, residual)
+    """Pre-norm layers (each with an `input_layernorm`), then the final norm of their sum.
+    A layer is called `(positions, normed, residual, next_norm) -> (normed, residual)`: it
+    takes its input normed, adds its output to the residual and normalises the sum with
+    the norm after it (the next layer's input norm, or `final_norm`), so a tensor-parallel
+    all-reduce, the add and the norm can run as one kernel."""
+    norms_after = [layer.input_layernorm for layer in layers[1:]] + [final_norm]
+    hidden_states, residual = layers[0].input_layernorm.add_and_norm(hidden_states, None)
+    for layer, next_norm in zip(layers, norms_after, strict=True):
+        hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
     return hidden_states
 
 

@@ -44,7 +44,14 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output added to `residual`, then normalised by `norm`:
+        `(normed, residual)`."""
+        return self.o_proj.add_and_norm(self.attend(positions, hidden_states), residual, norm)
+
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The attention output before the o projection, `[T, local heads * head_dim]`."""
         # q, k, v cross attention's graph break: written into the layer-shared bridge.
         shape = (hidden_states.shape[0], self.qkv_proj.weight.shape[0])
         qkv = self.qkv_proj(hidden_states, out=bridge_buffer("qkv", shape, hidden_states.dtype,
@@ -59,7 +66,7 @@ class LlamaAttention(nn.Module):
             kv_store = kv_store_target(self.attn, v)
             q, k = self.rotary(positions, q, k, self.qk_norms, kv_store)
         out = self.attn(q, k, v, kv_stored=kv_store is not None)
-        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+        return out.view(-1, self.num_heads * self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -70,9 +77,12 @@ class LlamaMLP(nn.Module):
                                                  bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's output added to `residual`, then normalised by `norm`: `(normed,
+        residual)`."""
         # SiLU-and-mul fused into the gate/up projection where the skinny kernel runs it
-        return self.down_proj(self.gate_up_proj(x, gated=True))
+        return self.down_proj.add_and_norm(self.gate_up_proj(x, gated=True), residual, norm)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,15 +93,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm.add_and_norm(
-            hidden_states, residual
-        )
-        return self.mlp(hidden_states), residual
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden_states` normed by `input_layernorm` -> the next norm's input and the
+        residual (`run_residual_stack`)."""
+        hidden_states, residual = self.self_attn(positions, hidden_states, residual,
+                                                 self.post_attention_layernorm)
+        return self.mlp(hidden_states, residual, next_norm)
 
 
 MLPFactory = Callable[[ModelConfig, int], nn.Module]  # (config, layer id) -> the layer's MLP

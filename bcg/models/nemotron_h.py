@@ -32,8 +32,11 @@ class NemotronHMLP(nn.Module):
                                            bias=config.mlp_bias)
         self.act_fn = ReluSquared()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's output added to `residual`, then normalised by `norm`: `(normed,
+        residual)`."""
+        return self.down_proj.add_and_norm(self.act_fn(self.up_proj(x)), residual, norm)
 
 
 class NemotronHBlock(nn.Module):
@@ -50,13 +53,18 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = NemotronHMLP(config)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_states, residual = self.norm.add_and_norm(hidden_states, residual)
+    @property
+    def input_layernorm(self) -> RMSNorm:
+        """The block's pre-norm, by the name `run_residual_stack` reads."""
+        return self.norm
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden_states` normed by `norm` -> the next norm's input and the residual
+        (`run_residual_stack`)."""
         if self.kind == ATTENTION:
-            return self.mixer(positions, hidden_states), residual
-        return self.mixer(hidden_states), residual
+            return self.mixer(positions, hidden_states, residual, next_norm)
+        return self.mixer(hidden_states, residual, next_norm)
 
 
 class NemotronHModel(nn.Module):

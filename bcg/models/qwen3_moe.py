@@ -16,6 +16,7 @@ from torch import nn
 from bcg.layers import triton_ops
 from bcg.layers.fused_moe import FusedMoE, select_experts
 from bcg.layers.linear import ColumnParallelLinear
+from bcg.layers.norm import RMSNorm
 from bcg.models.config import ModelConfig
 from bcg.models.qwen3 import Qwen3ForCausalLM
 
@@ -36,8 +37,12 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.register_buffer("route_arrivals", torch.zeros(
             triton_ops.MAX_FUSED_ROUTER_TOKENS, dtype=torch.int32), persistent=False)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden_states, *self.route(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' output added to `residual`, then normalised by `norm`: `(normed,
+        residual)`."""
+        return self.experts.add_and_norm(hidden_states, *self.route(hidden_states), residual,
+                                         norm)
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights and expert ids."""
