@@ -45,6 +45,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
+from bcg.distributed.parallel_state import tensor_parallel  # noqa: E402
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.llm_engine import EngineStats  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
@@ -102,7 +103,14 @@ def time_workload(llm: LLM, requests, repeats: int) -> dict:
     median = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
     kv_cache_tokens = llm.engine.runner.num_kv_blocks * llm.engine.config.block_size
     return {**median, "run_seconds": [run["seconds"] for run in runs], "warmup_s": warmup,
-            "kv_cache_tokens": kv_cache_tokens, "startup_steps": llm.engine.startup_seconds}
+            "kv_cache_tokens": kv_cache_tokens, "startup_steps": llm.engine.startup_seconds,
+            "custom_all_reduce": custom_all_reduce_active()}
+
+
+def custom_all_reduce_active() -> bool:
+    """Whether the live engine's all-reduces go through a kernel of ours: whether
+    --enable-torch-symm-mem took effect (it falls back to NCCL, logged, where it cannot)."""
+    return tensor_parallel().custom_all_reduce is not None
 
 
 def on_engine(measure: Callable[[LLM], T], **llm_args) -> tuple[T, float]:

@@ -47,6 +47,7 @@ import common  # noqa: E402
 from bench_decode import measure  # noqa: E402
 from bench_offline import (  # noqa: E402
     NUM_REQUESTS,
+    custom_all_reduce_active,
     on_engine,
     release_cuda_memory,
     run_bcg,
@@ -56,7 +57,6 @@ from bench_offline import (  # noqa: E402
 )
 
 from bcg.config import EngineConfig  # noqa: E402
-from bcg.distributed.parallel_state import tensor_parallel  # noqa: E402
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.llm_engine import LLMEngine  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
@@ -185,8 +185,7 @@ def decode_rows(engine_args: dict, batch_sizes: Iterable[int] = DECODE_BATCH_SIZ
 def time_decodes(llm: LLM, batch_sizes: list[int], hbm_gbs: float | None,
                  floors: Floors) -> list[dict]:
     floor_bytes = {name: count(llm.engine.runner.model) for name, count in floors.items()}
-    # whether --enable-torch-symm-mem took effect (it falls back to NCCL, logged, if not)
-    custom_all_reduce = tensor_parallel().custom_all_reduce is not None
+    custom_all_reduce = custom_all_reduce_active()
     rows = []
     for batch in batch_sizes:
         ms = measure(llm.engine, batch) * 1e3
@@ -371,6 +370,17 @@ def print_tables(rows: list[dict], floor: str = "floor") -> None:
     print_offline_table(rows)
     if rows_of(rows, GRAPHS_PART):
         print_graphs_table(rows)
+    print_symm_mem_fallbacks(rows)
+
+
+def print_symm_mem_fallbacks(rows: list[dict]) -> None:
+    """Name each configuration's part that asked for --enable-torch-symm-mem and ran on
+    NCCL (the flag falls back, logged, where symmetric memory cannot be set up)."""
+    fell_back = {(r["config"], r["part"]) for r in rows
+                 if r.get("torch_symm_mem") and r.get("custom_all_reduce") is False}
+    for config, part in sorted(fell_back):
+        print(f"note: {config}'s {part} rows ran on NCCL: --enable-torch-symm-mem did not take "
+              "effect (the log says why)")
 
 
 def print_prefill_table(rows: list[dict]) -> None:

@@ -75,6 +75,19 @@ def test_a_setup_measures_decode_and_offline_with_its_facts(qwen3):
         assert row["x_floor"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
     assert offline["part"] == "offline" and offline["requests"] == 1 and offline["scaled"]
     assert offline["output_tok_s"] > 0 and offline["overlap"] is False
+    assert not any(row["custom_all_reduce"] for row in rows)  # one rank: no custom kernel
+
+
+def test_parts_that_asked_for_symm_mem_and_ran_on_nccl_are_named(capsys):
+    rows = [{"config": "tp2-symm-mem", "part": part, "torch_symm_mem": True,
+             "custom_all_reduce": active} for part, active in (("decode", True),
+                                                               ("offline", False))]
+    rows.append({"config": "tp2", "part": "offline", "torch_symm_mem": False,
+                 "custom_all_reduce": False})
+    model_suite.print_symm_mem_fallbacks(rows)
+    assert capsys.readouterr().out.splitlines() == [
+        "note: tp2-symm-mem's offline rows ran on NCCL: --enable-torch-symm-mem did not take "
+        "effect (the log says why)"]
 
 
 def test_tp2_engines_are_measured_one_after_another(qwen3):
