@@ -136,8 +136,9 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     if tp.size not in TWO_SHOT_WORLD_SIZES:  # the one-shot kernel only; larger go to NCCL
         max_bytes = min(max_bytes, one_shot_max_bytes)
     reason = _unsupported(tp, dtype, device)
-    # After the all-reduce's buffer: the fused kernel's slots and its signals.
-    flags_at = max_bytes + _fused_slot_bytes(tp.size, one_shot_max_bytes)
+    # After the all-reduce's buffer: the fused kernel's slots (one per sender for each of
+    # two calls in a row), then its signals.
+    flags_at = max_bytes + 2 * tp.size * one_shot_max_bytes
     total_bytes = flags_at + FUSED_FLAG_BYTES
     buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
@@ -146,7 +147,7 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
         torch.cuda.synchronize(device)  # zero before any peer can signal into it
         handle, reason = _rendezvous(buffer, tp.group.group_name)
         if _agreed(tp, reason is None, reason):
-            fused_rows = _fused_rows(buffer, handle, max_bytes, one_shot_max_bytes)
+            fused_rows = _fused_rows(buffer, handle, max_bytes, flags_at, one_shot_max_bytes)
             all_reduce_part = buffer[: max_bytes // buffer.element_size()]
             kernel = SymmMemAllReduce(all_reduce_part, tp.group.group_name, one_shot_max_bytes,
                                       fused_rows)
@@ -160,22 +161,17 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     return None
 
 
-def _fused_slot_bytes(world_size: int, one_shot_max_bytes: int) -> int:
-    """The fused kernel's slots: one per sender for each of two calls in a row."""
-    return 2 * world_size * one_shot_max_bytes
-
-
-def _fused_rows(buffer: torch.Tensor, handle: object, max_bytes: int,
+def _fused_rows(buffer: torch.Tensor, handle: object, slots_at: int, flags_at: int,
                 one_shot_max_bytes: int) -> PeerRows | None:
-    """Every rank's addresses of the fused kernel's slots and signals (None without
-    Triton or with more ranks than the signals have room for). The buffer starts at the
-    same offset into every rank's mapping."""
+    """Every rank's addresses of the fused kernel's slots and signals, `slots_at` and
+    `flags_at` bytes into its buffer (None without Triton or with more ranks than the
+    signals have room for). The buffer starts at the same offset into every rank's
+    mapping."""
     if PeerRows is None or handle.world_size > FUSED_MAX_RANKS:
         return None
     offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
     bases = [base + offset for base in handle.buffer_ptrs]
-    flags_at = max_bytes + _fused_slot_bytes(handle.world_size, one_shot_max_bytes)
-    return PeerRows([base + max_bytes for base in bases], [base + flags_at for base in bases],
+    return PeerRows([base + slots_at for base in bases], [base + flags_at for base in bases],
                     handle.rank, one_shot_max_bytes // buffer.element_size(), FUSED_MAX_ROWS,
                     buffer.dtype, buffer.device)
 

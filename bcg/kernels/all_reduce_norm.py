@@ -28,8 +28,7 @@ EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                            eps: float, peers: PeerRows,
-                            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, peers: PeerRows) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += sum over ranks of x` (the sum rounded to `x`'s dtype first, as an
     all-reduce's output would be), then `out = rms_norm(residual) * norm_weight`.
 
@@ -40,9 +39,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
         residual: `[rows, N]`, `x`'s dtype, updated in place.
         norm_weight: `[N]`.
         peers: the ranks' mapped slots and signals.
-        out: `[rows, N]` (allocated if None).
 
-    Returns `(out, residual)`.
+    Returns `(out, residual)`, `out` new.
     """
     rows, width = x.shape
     if not peers.takes(x) or residual.shape != x.shape or residual.dtype != x.dtype \
@@ -53,8 +51,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
             f"{peers.max_rows}, and norm_weight [N]; got x {tuple(x.shape)} {x.dtype}, "
             f"residual {tuple(residual.shape)} {residual.dtype}, norm_weight "
             f"{tuple(norm_weight.shape)}")
-    out = torch.empty_like(residual) if out is None else out
-    for name, tensor in (("x", x), ("residual", residual), ("out", out)):
+    out = torch.empty_like(residual)
+    for name, tensor in (("x", x), ("residual", residual)):
         require_last_dim_contiguous(name, tensor)
     block = next_power_of_2(width)
     _launch(
