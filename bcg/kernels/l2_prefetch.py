@@ -24,11 +24,10 @@ def prefetch_args(prefetch: torch.Tensor | None, programs: int, num_warps: int) 
     """The constexprs of `prefetch_l2` for a launch of `programs` programs of `num_warps`
     warps sharing the bytes of `prefetch` (a flat uint8 CUDA tensor; None: none)."""
     total = 0 if prefetch is None or not prefetch.is_cuda else prefetch.numel()
-    pieces = 32 * num_warps  # one piece a thread
+    threads = 32 * num_warps
     share = cdiv(cdiv(total, max(1, programs)), ALIGNMENT) * ALIGNMENT
-    piece = max(ALIGNMENT, cdiv(cdiv(share, pieces), ALIGNMENT) * ALIGNMENT)
-    return {"PREFETCH_BYTES": total, "PREFETCH_SHARE": share, "PREFETCH_PIECES": pieces,
-            "PREFETCH_PIECE": piece}
+    return {"PREFETCH_BYTES": total, "PREFETCH_SHARE": share, "PREFETCH_THREADS": threads,
+            "PREFETCH_ROUNDS": cdiv(share, threads * ALIGNMENT)}
 
 
 def weight_head(weight: torch.Tensor, max_bytes: int) -> torch.Tensor | None:
@@ -42,17 +41,19 @@ def weight_head(weight: torch.Tensor, max_bytes: int) -> torch.Tensor | None:
 
 
 @triton.jit
-def prefetch_l2(base_ptr, TOTAL: tl.constexpr, SHARE: tl.constexpr, PIECES: tl.constexpr,
-                PIECE: tl.constexpr):
+def prefetch_l2(base_ptr, TOTAL: tl.constexpr, SHARE: tl.constexpr, THREADS: tl.constexpr,
+                ROUNDS: tl.constexpr):
     """Ask L2 for this program's `SHARE` of the `TOTAL` bytes at `base_ptr` (nothing if
-    `TOTAL` is 0), one piece a thread."""
+    `TOTAL` is 0), a cache line a thread per round."""
     if TOTAL > 0:
-        starts = tl.arange(0, PIECES) * PIECE
-        offsets = tl.program_id(0) * SHARE + starts
-        sizes = tl.minimum(tl.maximum(TOTAL - offsets, 0), PIECE)
-        sizes = tl.where(starts < SHARE, sizes, 0)
-        offsets = tl.where(sizes > 0, offsets, 0)  # an empty piece asks for nothing
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }"
-            " mov.u32 $0, 0;",
-            "=r,l,r", [base_ptr + offsets, sizes], dtype=tl.int32, is_pure=False, pack=1)
+        first = tl.program_id(0) * SHARE
+        end = tl.minimum(first + SHARE, TOTAL)
+        for round in range(ROUNDS):
+            offsets = first + (round * THREADS + tl.arange(0, THREADS)) * 128
+            inside = offsets < end
+            offsets = tl.where(inside, offsets, 0)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; }"
+                " mov.u32 $0, 0;",
+                "=r,l,r", [base_ptr + offsets, inside.to(tl.int32)], dtype=tl.int32,
+                is_pure=False, pack=1)

@@ -140,10 +140,11 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PREFETCH_BYTES: tl.constexpr,
     PREFETCH_SHARE: tl.constexpr,
-    PREFETCH_PIECES: tl.constexpr,
-    PREFETCH_PIECE: tl.constexpr,
+    PREFETCH_THREADS: tl.constexpr,
+    PREFETCH_ROUNDS: tl.constexpr,
 ):
-    prefetch_l2(prefetch_ptr, PREFETCH_BYTES, PREFETCH_SHARE, PREFETCH_PIECES, PREFETCH_PIECE)
+    prefetch_l2(prefetch_ptr, PREFETCH_BYTES, PREFETCH_SHARE, PREFETCH_THREADS,
+                PREFETCH_ROUNDS)
     row = tl.program_id(0)
     token = (row // HEADS).to(tl.int64)
     head = row % HEADS

@@ -185,10 +185,11 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr,
     PREFETCH_BYTES: tl.constexpr,
     PREFETCH_SHARE: tl.constexpr,
-    PREFETCH_PIECES: tl.constexpr,
-    PREFETCH_PIECE: tl.constexpr,
+    PREFETCH_THREADS: tl.constexpr,
+    PREFETCH_ROUNDS: tl.constexpr,
 ):
-    prefetch_l2(prefetch_ptr, PREFETCH_BYTES, PREFETCH_SHARE, PREFETCH_PIECES, PREFETCH_PIECE)
+    prefetch_l2(prefetch_ptr, PREFETCH_BYTES, PREFETCH_SHARE, PREFETCH_THREADS,
+                PREFETCH_ROUNDS)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)
