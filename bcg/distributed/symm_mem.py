@@ -105,13 +105,12 @@ class SymmMemAllReduce:
                 and x.is_contiguous() and residual.is_contiguous())
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, prefetch: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual += sum of every rank's x`, then `(rms_norm(residual) * weight,
         residual)`, in one launch."""
         if self.buffer is None:
             raise RuntimeError("this all-reduce's engine is closed: build the model again")
-        return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_rows, prefetch)
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_rows)
 
     def release(self) -> None:
         """Free the buffer once no kernel of this rank may still read it (a peer's last

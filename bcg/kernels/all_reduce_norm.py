@@ -23,14 +23,12 @@ import triton
 import triton.language as tl
 
 from bcg.kernels._launch import CachedLauncher, next_power_of_2, require_last_dim_contiguous
-from bcg.kernels.l2_prefetch import prefetch_args, prefetch_l2
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                            eps: float, peers: PeerRows, prefetch: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, peers: PeerRows) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += sum over ranks of x` (the sum rounded to `x`'s dtype first, as an
     all-reduce's output would be), then `out = rms_norm(residual) * norm_weight`.
 
@@ -41,7 +39,6 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
         residual: `[rows, N]`, `x`'s dtype, updated in place.
         norm_weight: `[N]`.
         peers: the ranks' mapped slots and signals.
-        prefetch: bytes to pull into L2 while the ranks meet (`bcg.kernels.l2_prefetch`).
 
     Returns `(out, residual)`, `out` new.
     """
@@ -58,17 +55,14 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
     for name, tensor in (("x", x), ("residual", residual)):
         require_last_dim_contiguous(name, tensor)
     block = next_power_of_2(width)
-    num_warps = min(16, max(1, block // 256))
     _launch(
         (rows,),
-        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs,
-         out if prefetch is None else prefetch),  # out: a prefetch never read
+        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs),
         (float(eps),),
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
-         "SLOT_NUMEL": peers.slot_numel, "EPOCH_MASK": EPOCH_MASK, "BLOCK": block,
-         **prefetch_args(prefetch, rows, num_warps)},
-        num_warps=num_warps,
+         "SLOT_NUMEL": peers.slot_numel, "EPOCH_MASK": EPOCH_MASK, "BLOCK": block},
+        num_warps=min(16, max(1, block // 256)),
     )
     return out, residual
 
@@ -97,8 +91,7 @@ class PeerRows:
 
 @triton.jit
 def _all_reduce_add_norm_kernel(
-    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, prefetch_ptr,
-    eps,
+    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps,
     N: tl.constexpr,
     STRIDE_X: tl.constexpr,
     STRIDE_RES: tl.constexpr,
@@ -108,13 +101,7 @@ def _all_reduce_add_norm_kernel(
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr,
-    PREFETCH_SHARE: tl.constexpr,
-    PREFETCH_THREADS: tl.constexpr,
-    PREFETCH_ROUNDS: tl.constexpr,
 ):
-    prefetch_l2(prefetch_ptr, PREFETCH_BYTES, PREFETCH_SHARE, PREFETCH_THREADS,
-                PREFETCH_ROUNDS)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N

@@ -17,7 +17,6 @@ from bcg.kernels._launch import (
     next_power_of_2,
     require_last_dim_contiguous,
 )
-from bcg.kernels.l2_prefetch import prefetch_args, prefetch_l2
 
 # Elements per thread beyond which a row gets more warps.
 ELEMENTS_PER_THREAD = 8
@@ -49,7 +48,6 @@ def add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     out: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += x`` in place, then ``out = rms_norm(residual)``, in one pass.
 
@@ -58,15 +56,13 @@ def add_rms_norm(
         weight: ``[hidden]``.
         eps: added to the mean square.
         out: ``[rows, hidden]`` (allocated if None; may be ``x``).
-        prefetch: bytes to pull into L2 for the projection after the norm
-            (``bcg.kernels.l2_prefetch``).
 
     Returns ``(out, residual)``, matching ``RMSNorm.add_and_norm``.
     """
     if residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    _launch(x, residual, weight, eps, out, prefetch)
+    _launch(x, residual, weight, eps, out)
     return out, residual
 
 
@@ -76,7 +72,6 @@ def _launch(
     weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     if x.dim() not in (2, 3) or out.shape != x.shape or weight.shape != x.shape[-1:]:
         raise ValueError(
@@ -101,7 +96,7 @@ def _launch(
     out_tok, out_head = _row_strides(out)
     _launch_rms_norm(
         (num_rows,),
-        (x, residual_or_x, weight, out, out if prefetch is None else prefetch),
+        (x, residual_or_x, weight, out),
         (float(eps),),  # an int would be a specialised integer argument
         {
             "HIDDEN": hidden,
@@ -114,7 +109,6 @@ def _launch(
             "STRIDE_OUT_HEAD": out_head,
             "HAS_RESIDUAL": residual is not None,
             "BLOCK": block,
-            **prefetch_args(prefetch, num_rows, num_warps),
         },
         num_warps=num_warps,
     )
@@ -127,7 +121,7 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int]:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, prefetch_ptr, eps,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, eps,
     HIDDEN: tl.constexpr,
     HEADS: tl.constexpr,
     STRIDE_X_TOK: tl.constexpr,
@@ -138,13 +132,7 @@ def _rms_norm_kernel(
     STRIDE_OUT_HEAD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr,
-    PREFETCH_SHARE: tl.constexpr,
-    PREFETCH_THREADS: tl.constexpr,
-    PREFETCH_ROUNDS: tl.constexpr,
 ):
-    prefetch_l2(prefetch_ptr, PREFETCH_BYTES, PREFETCH_SHARE, PREFETCH_THREADS,
-                PREFETCH_ROUNDS)
     row = tl.program_id(0)
     token = (row // HEADS).to(tl.int64)
     head = row % HEADS

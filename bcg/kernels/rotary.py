@@ -23,9 +23,6 @@ from bcg.kernels._launch import (
     require_last_dim_contiguous,
 )
 from bcg.kernels.kv_store import check_kv_store
-from bcg.kernels.l2_prefetch import prefetch_args, prefetch_l2
-
-ROTARY_WARPS = 4  # Triton's default, which the kernel always ran with
 
 
 def apply_rotary(
@@ -37,7 +34,6 @@ def apply_rotary(
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 0.0,
     kv_store: KVStore | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """Rotate ``q`` and ``k`` in place by their tokens' positions.
 
@@ -53,7 +49,6 @@ def apply_rotary(
             Qwen3's two norms share it).
         kv_store: ``(v, k_cache, v_cache, slot_mapping)``: also store the rotated k and v at
             ``slot_mapping`` (a negative slot writes nothing), with ``store_kv``'s layouts.
-        prefetch: bytes to pull into L2 for what follows attention (``bcg.kernels.l2_prefetch``).
 
     The rotation is computed in fp32 and rounded once. One launch, no host synchronisation.
     """
@@ -87,8 +82,7 @@ def apply_rotary(
     _launch_rotary(
         (num_tokens,),
         # Without norms the kernel never reads the weight pointers; cos stands in for them.
-        (q, k, positions, cos, sin, q_weight, k_weight, v, k_cache, v_cache, slots,
-         k if prefetch is None else prefetch),
+        (q, k, positions, cos, sin, q_weight, k_weight, v, k_cache, v_cache, slots),
         (float(eps),),
         {
             "STRIDE_Q_TOK": q.stride(0),
@@ -105,9 +99,7 @@ def apply_rotary(
             "STRIDE_V_TOK": v.stride(0),
             "STRIDE_V_HEAD": v.stride(1),
             "STORE_KV": kv_store is not None,
-            **prefetch_args(prefetch, num_tokens, ROTARY_WARPS),
         },
-        num_warps=ROTARY_WARPS,
     )
 
 
@@ -168,7 +160,7 @@ def _store_token_kv(
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
-    v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, prefetch_ptr, eps,
+    v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, eps,
     STRIDE_Q_TOK: tl.constexpr,
     STRIDE_Q_HEAD: tl.constexpr,
     STRIDE_K_TOK: tl.constexpr,
@@ -183,13 +175,7 @@ def _rotary_kernel(
     STRIDE_V_TOK: tl.constexpr,
     STRIDE_V_HEAD: tl.constexpr,
     STORE_KV: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr,
-    PREFETCH_SHARE: tl.constexpr,
-    PREFETCH_THREADS: tl.constexpr,
-    PREFETCH_ROUNDS: tl.constexpr,
 ):
-    prefetch_l2(prefetch_ptr, PREFETCH_BYTES, PREFETCH_SHARE, PREFETCH_THREADS,
-                PREFETCH_ROUNDS)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)

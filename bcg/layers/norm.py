@@ -17,14 +17,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.prefetch_plain: torch.Tensor | None = None
-        self.prefetch_ar: torch.Tensor | None = None
-
-    def feeds(self, weight: torch.Tensor) -> None:
-        import os
-        from bcg.kernels.l2_prefetch import weight_head
-        self.prefetch_plain = weight_head(weight, int(float(os.environ.get("BCG_PF_NORM_MB", "0")) * 2**20))
-        self.prefetch_ar = weight_head(weight, int(float(os.environ.get("BCG_PF_AR_MB", "0")) * 2**20))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused_kernels(x):
@@ -46,14 +38,12 @@ class RMSNorm(nn.Module):
             fused = tp.custom_all_reduce
             if residual is not None and fused is not None and fused.takes_add_rms_norm(
                     x, residual):
-                return fused.add_rms_norm(x, residual, self.weight, self.eps,
-                                          self.prefetch_ar if x.shape[0] <= 16 else None)
+                return fused.add_rms_norm(x, residual, self.weight, self.eps)
             x = tp.all_reduce(x)
         if residual is None:
             return self(x), x
         if use_fused_kernels(x):
-            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps, None,
-                                           self.prefetch_plain if x.shape[0] <= 16 else None)
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual
 

@@ -35,7 +35,6 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         norms: tuple[RMSNorm, RMSNorm] | None = None,
         kv_store: KVStore | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q `[T, H, D]` and k `[T, KVH, D]` by their token positions `[T]`, after
         normalising each head with `norms` (q's, k's) if given, then store k and v where
@@ -45,7 +44,7 @@ class RotaryEmbedding(nn.Module):
             weights = None if norms is None else (norms[0].weight, norms[1].weight)
             eps = 0.0 if norms is None else norms[0].eps
             triton_ops.apply_rotary(q, k, positions, self.cos, self.sin, weights, eps,
-                                    kv_store, prefetch if q.shape[0] <= 16 else None)
+                                    kv_store)
             return q, k
         assert kv_store is None, "only the fused kernel stores k and v"
         if norms is not None:

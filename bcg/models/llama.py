@@ -43,9 +43,6 @@ class LlamaAttention(nn.Module):
         self.qk_norms = (self.q_norm, self.k_norm) if qk_norm else None
         self.rotary = rotary
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
-        import os
-        from bcg.kernels.l2_prefetch import weight_head
-        self.prefetch = weight_head(self.o_proj.weight, int(float(os.environ.get("BCG_PF_ROT_MB", "0")) * 2**20))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +64,7 @@ class LlamaAttention(nn.Module):
         if self.rotary is not None:
             # One kernel on CUDA: norms, rotation and, in a decode step, the KV store.
             kv_store = kv_store_target(self.attn, v)
-            q, k = self.rotary(positions, q, k, self.qk_norms, kv_store, self.prefetch)
+            q, k = self.rotary(positions, q, k, self.qk_norms, kv_store)
         out = self.attn(q, k, v, kv_stored=kv_store is not None)
         return out.view(-1, self.num_heads * self.head_dim)
 
@@ -95,9 +92,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.input_layernorm.feeds(self_attn.qkv_proj.weight)
-        if hasattr(mlp, "gate_up_proj"):
-            self.post_attention_layernorm.feeds(mlp.gate_up_proj.weight)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
