@@ -79,11 +79,18 @@ def merged_rows(name: str, rows: list[dict], key: Callable[[dict], tuple],
                 field: str = "rows") -> list[dict]:
     """`rows` plus the entries of `field` in an earlier run's `name` JSON whose `key` no row
     of `rows` has, so the parts of a bench can be run in separate processes (a whole run
-    may not fit one time slot)."""
+    may not fit one time slot). Only entries measured on this device are kept (a row's own
+    `device`, else the file's): the file's `device` names every row's."""
     path = RESULTS_DIR / f"{name}.json"
-    earlier = json.loads(path.read_text()).get(field, []) if path.exists() else []
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    device = device_name()
+    entries = earlier.get(field, [])
+    same_device = [r for r in entries if r.get("device", earlier.get("device")) == device]
+    if len(same_device) < len(entries):
+        print(f"{path.name}: {len(entries) - len(same_device)} earlier {field} measured on "
+              f"another device than {device} left out")
     fresh = {key(r) for r in rows}
-    return [r for r in earlier if key(r) not in fresh] + rows
+    return [r for r in same_device if key(r) not in fresh] + rows
 
 
 def write_results(name: str, payload: dict) -> Path:

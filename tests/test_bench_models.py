@@ -138,11 +138,29 @@ def test_rows_of_a_run_replace_only_their_configs_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     earlier = [{"config": c, "part": p, "run": 1} for c in ("tp1", "tp2")
                for p in ("decode", "offline")]
-    (tmp_path / "bench_x.json").write_text(json.dumps({"rows": earlier}))
+    (tmp_path / "bench_x.json").write_text(json.dumps({"device": common.device_name(),
+                                                       "rows": earlier}))
     fresh = [{"config": "tp2", "part": "decode", "run": 2}]
     merged = common.merged_rows("bench_x", fresh, model_suite.row_key)
     assert [(r["config"], r["part"], r["run"]) for r in merged] == [
         ("tp1", "decode", 1), ("tp1", "offline", 1), ("tp2", "offline", 1), ("tp2", "decode", 2)]
+
+
+def test_rows_measured_on_another_device_are_left_out(tmp_path, monkeypatch, capsys):
+    """A file names one device at its top: rows of another GPU kind do not stay beside the
+    fresh ones, whether the file or the row says where they ran."""
+    common = importlib.import_module("common")
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    here = common.device_name()
+    earlier = [{"config": "tp1", "part": "decode"},  # the file's device: another
+               {"config": "tp1", "part": "offline", "device": here},
+               {"config": "tp2", "part": "decode", "device": "NVIDIA H200"}]
+    (tmp_path / "bench_x.json").write_text(json.dumps({"device": "NVIDIA H200",
+                                                       "rows": earlier}))
+    fresh = [{"config": "tp2", "part": "offline", "device": here}]
+    merged = common.merged_rows("bench_x", fresh, model_suite.row_key)
+    assert [(r["config"], r["part"]) for r in merged] == [("tp1", "offline"), ("tp2", "offline")]
+    assert "2 earlier rows measured on another device" in capsys.readouterr().out
 
 
 def test_defaults_follow_the_visible_gpus_and_larger_configs_are_refused(monkeypatch):
