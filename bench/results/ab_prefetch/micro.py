@@ -11,6 +11,30 @@ from bcg.utils import cdiv
 
 
 @triton.jit
+def _prefetch_share(base_ptr, TOTAL: tl.constexpr, SHARE: tl.constexpr, LINES: tl.constexpr,
+                    PIECE: tl.constexpr, MODE: tl.constexpr):
+    """Ask L2 for this program's share of `TOTAL` bytes from `base_ptr`, fire and forget:
+    MODE 1 `prefetch.global.L2` a line a lane, 2 the same with `evict_last`, 3
+    `cp.async.bulk.prefetch.L2` a piece a lane (the helper the tail-prefetch branch had)."""
+    offsets = tl.program_id(0) * SHARE + tl.arange(0, LINES) * PIECE
+    offsets = tl.minimum(offsets, TOTAL - PIECE)  # the last shares repeat the last piece
+    mask = tl.arange(0, LINES) * PIECE < SHARE
+    offsets = tl.where(mask, offsets, TOTAL - PIECE)
+    if MODE == 1:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
+                                  [base_ptr + offsets], dtype=tl.int32, is_pure=False, pack=1)
+    elif MODE == 2:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;",
+                                  "=r,l", [base_ptr + offsets], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        sizes = tl.full((LINES,), PIECE, tl.int32)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
+                                  "=r,l,r", [base_ptr + offsets, sizes], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _now(dummy):
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dummy],
                                       dtype=tl.int64, is_pure=False, pack=1)
@@ -22,7 +46,7 @@ def wait_kernel(p_ptr, SPIN: tl.constexpr, TOTAL: tl.constexpr, SHARE: tl.conste
     pid = tl.program_id(0)
     start = _now(pid)
     if TOTAL > 0:
-        sk._prefetch_share(p_ptr, TOTAL, SHARE, LINES, PIECE, MODE)
+        _prefetch_share(p_ptr, TOTAL, SHARE, LINES, PIECE, MODE)
     if pid == 0:
         now = _now(pid)
         while now - start < SPIN:
