@@ -171,17 +171,26 @@ class EngineConfig:
         "the exchange); default: max(max_num_seqs, 2048): on two H100s (ep2) blocks beat "
         "the host's sync up to 2048 tokens and lost at 4096",
     )
+    disable_custom_all_reduce: bool = _arg(
+        False,
+        "tensor parallel on GPUs: run every all-reduce through NCCL (vLLM's flag). By default "
+        "all-reduces of up to 256 rows of up to 16 KiB (a decode step's hidden states), and "
+        "the residual add and RMSNorm after them, run in one kernel of ours over buffers the "
+        "ranks map through CUDA IPC; larger ones, and ranks on several hosts or without peer "
+        "access between their GPUs (logged), use NCCL. A rank waits for a peer in that "
+        "kernel at most BCG_ALL_REDUCE_TIMEOUT seconds (default 60), then stops with a CUDA "
+        "error",
+    )
     enable_torch_symm_mem: bool = _arg(
         False,
         "tensor parallel on GPUs: all-reduces through torch symmetric memory's kernels, each "
-        "rank reading the others' buffers over NVLink, instead of NCCL (SGLang's flag): up to "
-        "512 KiB (a decode step's hidden states) the one-shot kernel, up to 32 MiB (large "
-        "batches, prefill chunks) the two-shot one; an all-reduce that feeds the residual "
-        "add and the RMSNorm runs with them in one kernel of ours (up to 512 KiB); where "
+        "rank reading the others' buffers over NVLink (SGLang's flag), instead of the custom "
+        "all-reduce and NCCL: up to 512 KiB the one-shot kernel, up to 32 MiB (large batches, "
+        "prefill chunks) the two-shot one; an all-reduce that feeds the residual add and the "
+        "RMSNorm runs with them in the custom all-reduce's kernel (up to 256 rows); where "
         "symmetric memory is unavailable (float16, ranks on several hosts, no peer access), "
-        "logged, NCCL does them all. Its barriers have no timeout: a rank that dies mid-step "
-        "leaves the others waiting (kill them). Off by default for that: on two H100s it "
-        "makes tp2 decode steps 6-12% faster (qwen3-8b, nemotron-h-8b, qwen3-30b-a3b)",
+        "logged, the custom all-reduce and NCCL do them. torch's kernels wait for peers "
+        "without a timeout: a rank that dies mid-step leaves the others waiting (kill them)",
     )
 
     def __post_init__(self) -> None:

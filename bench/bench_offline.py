@@ -107,10 +107,14 @@ def time_workload(llm: LLM, requests, repeats: int) -> dict:
             "custom_all_reduce": custom_all_reduce_active()}
 
 
-def custom_all_reduce_active() -> bool:
-    """Whether the live engine's all-reduces go through a kernel of ours: whether
-    --enable-torch-symm-mem took effect (it falls back to NCCL, logged, where it cannot)."""
-    return tensor_parallel().custom_all_reduce is not None
+def custom_all_reduce_active() -> str | None:
+    """Which kernel the live engine's small all-reduces go through: "symm-mem" where
+    --enable-torch-symm-mem took effect, "custom" for the custom all-reduce (the default),
+    None for the group's backend (off, or unavailable: the log says why)."""
+    kernel = tensor_parallel().custom_all_reduce
+    if kernel is None:
+        return None
+    return "symm-mem" if type(kernel).__name__ == "SymmMemAllReduce" else "custom"
 
 
 def on_engine(measure: Callable[[LLM], T], **llm_args) -> tuple[T, float]:

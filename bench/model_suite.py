@@ -261,6 +261,7 @@ def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float 
              "ep_fixed_block_tokens": (config.alltoall_fixed_block_tokens
                                        if config.uses_alltoall else None),
              "torch_symm_mem": config.enable_torch_symm_mem,
+             "disable_custom_all_reduce": config.disable_custom_all_reduce,
              "decode_graph": config.decode_graph, "device": device_name(config),
              "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     return [{**facts, **row} for row in rows]
@@ -374,13 +375,15 @@ def print_tables(rows: list[dict], floor: str = "floor") -> None:
 
 
 def print_symm_mem_fallbacks(rows: list[dict]) -> None:
-    """Name each configuration's part that asked for --enable-torch-symm-mem and ran on
-    NCCL (the flag falls back, logged, where symmetric memory cannot be set up)."""
-    fell_back = {(r["config"], r["part"]) for r in rows
-                 if r.get("torch_symm_mem") and r.get("custom_all_reduce") is False}
-    for config, part in sorted(fell_back):
-        print(f"note: {config}'s {part} rows ran on NCCL: --enable-torch-symm-mem did not take "
-              "effect (the log says why)")
+    """Name each configuration's part that asked for --enable-torch-symm-mem and ran
+    without it (the flag falls back, logged, where symmetric memory cannot be set up; rows
+    before the custom all-reduce say True or False)."""
+    fell_back = {(r["config"], r["part"], r.get("custom_all_reduce")) for r in rows
+                 if r.get("torch_symm_mem")
+                 and r.get("custom_all_reduce") not in (True, "symm-mem")}
+    for config, part, kernel in sorted(fell_back, key=str):
+        print(f"note: {config}'s {part} rows ran on {kernel or 'NCCL'}: --enable-torch-symm-mem "
+              "did not take effect (the log says why)")
 
 
 def print_prefill_table(rows: list[dict]) -> None:

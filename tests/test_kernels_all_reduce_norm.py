@@ -1,7 +1,7 @@
-"""The one-launch all-reduce + residual add + RMSNorm on one process, a peer rank played by
-hand: its buffers are plain tensors, its row already received and its signal already sent
-(Triton's interpreter on the CPU, fp32; bf16 on a GPU). Two GPUs run it for real in
-tests/test_symm_mem.py."""
+"""The one-launch all-reduce of rows, alone and with the residual add + RMSNorm, on one
+process, a peer rank played by hand: its buffers are plain tensors, its rows already
+received and its signal already sent (Triton's interpreter on the CPU, fp32; bf16 on a GPU).
+Two GPUs run it for real in tests/test_custom_all_reduce.py and tests/test_symm_mem.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ all_reduce_norm = import_kernels("all_reduce_norm")
 rmsnorm = import_kernels("rmsnorm")
 
 EPS = 1e-6
-MAX_ROWS, SLOT_NUMEL = 8, 8 * 48
+MAX_ROWS, ROW_NUMEL = 8, 48
+SLOT_NUMEL = MAX_ROWS * ROW_NUMEL
 
 
 class TwoRanks:
@@ -28,27 +29,42 @@ class TwoRanks:
         self.rank, self.peer = rank, 1 - rank
         self.peers = all_reduce_norm.PeerRows(
             [d.data_ptr() for d in self.data], [f.data_ptr() for f in self.flags], rank,
-            SLOT_NUMEL, MAX_ROWS, DTYPE, torch.device(DEVICE))
+            ROW_NUMEL, MAX_ROWS, DTYPE, torch.device(DEVICE), timeout_ns=10**9)
 
-    def slot(self, receiver: int, sender: int, epoch: int, numel: int) -> torch.Tensor:
+    def rows(self, receiver: int, sender: int, epoch: int, rows: int, width: int) -> torch.Tensor:
+        """The rows `sender` sent `receiver` in its call `epoch`: each row has its place in
+        the slot whatever the width."""
         start = ((epoch % 2) * 2 + sender) * SLOT_NUMEL
-        return self.data[receiver][start:start + numel]
+        slot = self.data[receiver][start:start + SLOT_NUMEL].view(MAX_ROWS, ROW_NUMEL)
+        return slot[:rows, :width]
 
     def peer_sends(self, part: torch.Tensor, epoch: int) -> None:
         """The peer's call `epoch`: its rows in this rank's slot for it, its signal in this
         rank's flags."""
-        self.slot(self.rank, self.peer, epoch, part.numel()).copy_(part.reshape(-1))
+        self.rows(self.rank, self.peer, epoch, *part.shape).copy_(part)
         self.flags[self.rank].view(MAX_ROWS, 2)[: part.shape[0], self.peer] = epoch
+
+    def check_sent(self, mine: torch.Tensor, epoch: int) -> None:
+        """This rank's rows went to the peer's slot for it, and its signal too."""
+        rows = mine.shape[0]
+        assert torch.equal(self.rows(self.peer, self.rank, epoch, *mine.shape), mine)
+        assert self.flags[self.peer].view(MAX_ROWS, 2)[:rows, self.rank].tolist() == [epoch] * rows
+        assert self.peers.epochs[:rows].tolist() == [epoch] * rows
+
+
+def draws(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(DEVICE, DTYPE)
+
+    return draw
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("rows,width", [(1, 48), (3, 40), (8, 32)])
 def test_matches_the_sum_then_add_rms_norm_over_calls(rank: int, rows: int, width: int) -> None:
-    generator = torch.Generator().manual_seed(rows * width + rank)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(DEVICE, DTYPE)
-
+    draw = draws(rows * width + rank)
     ranks, residual, norm_weight = TwoRanks(rank), draw(rows, width), draw(width)
     for epoch in (1, 2, 3):  # both slots, then the first again
         mine, theirs = draw(rows, width), draw(rows, width)
@@ -61,18 +77,46 @@ def test_matches_the_sum_then_add_rms_norm_over_calls(rank: int, rows: int, widt
         assert got_residual is residual
         torch.testing.assert_close(residual, expected_residual, atol=TOLERANCE, rtol=TOLERANCE)
         torch.testing.assert_close(out, expected_out, atol=TOLERANCE, rtol=TOLERANCE)
-        # This rank's rows went to the peer's slot for it, and its signal too.
-        assert torch.equal(ranks.slot(ranks.peer, rank, epoch, mine.numel()), mine.reshape(-1))
-        assert ranks.flags[ranks.peer].view(MAX_ROWS, 2)[:rows, rank].tolist() == [epoch] * rows
-        assert ranks.peers.epochs[:rows].tolist() == [epoch] * rows
+        ranks.check_sent(mine, epoch)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int) -> None:
+    """The plain all-reduce over calls of other row counts and widths (each row keeps its
+    place and its own call count), the fused one among them."""
+    draw, ranks = draws(rank), TwoRanks(rank)
+    for rows, width, fused in ((2, 48, False), (5, 16, False), (2, 48, True), (1, 8, False),
+                               (5, 48, False)):
+        mine, theirs = draw(rows, width), draw(rows, width)
+        epochs = (ranks.peers.epochs[:rows] + 1).tolist()
+        for row, epoch in enumerate(epochs):  # the peer's call: each row at its own count
+            ranks.rows(ranks.rank, ranks.peer, epoch, MAX_ROWS, width)[row].copy_(theirs[row])
+            ranks.flags[ranks.rank].view(MAX_ROWS, 2)[row, ranks.peer] = epoch
+        parts = (mine, theirs) if rank == 0 else (theirs, mine)
+        total = (parts[0].float() + parts[1].float()).to(DTYPE)
+        if fused:
+            residual, weight = draw(rows, width), draw(width)
+            expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
+            got, _ = all_reduce_norm.all_reduce_add_rms_norm(mine, residual, weight, EPS,
+                                                             ranks.peers)
+        else:
+            expected, got = total, all_reduce_norm.all_reduce_rows(mine, ranks.peers)
+        torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        for row, epoch in enumerate(epochs):
+            sent = ranks.rows(ranks.peer, ranks.rank, epoch, MAX_ROWS, width)[row]
+            assert torch.equal(sent, mine[row])
+        assert ranks.peers.epochs[:rows].tolist() == epochs
 
 
 def test_refuses_what_does_not_fit() -> None:
     ranks = TwoRanks(0)
     too_many_rows = torch.zeros(MAX_ROWS + 1, 4, dtype=DTYPE, device=DEVICE)
-    too_wide = torch.zeros(2, SLOT_NUMEL, dtype=DTYPE, device=DEVICE)
-    for x in (too_many_rows, too_wide):
+    too_wide = torch.zeros(2, ROW_NUMEL + 1, dtype=DTYPE, device=DEVICE)
+    strided = torch.zeros(4, 8, dtype=DTYPE, device=DEVICE).t()
+    for x in (too_many_rows, too_wide, strided):
         assert not ranks.peers.takes(x)
         with pytest.raises(ValueError, match="rows at most"):
             all_reduce_norm.all_reduce_add_rms_norm(x, x.clone(), torch.ones(x.shape[1]),
                                                     EPS, ranks.peers)
+        with pytest.raises(ValueError, match="rows at most"):
+            all_reduce_norm.all_reduce_rows(x, ranks.peers)

@@ -22,17 +22,20 @@ README's Tensor parallelism section has what it gains.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
-import torch.distributed as dist
 
+from bcg.distributed.custom_all_reduce import (
+    MAX_RANKS,
+    MAX_ROWS,
+    PeerAllReduce,
+    PeerRows,
+    agreed,
+    row_numel,
+    timeout_ns,
+    unsupported,
+)
 from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
-
-try:
-    from bcg.kernels.all_reduce_norm import PeerRows, all_reduce_add_rms_norm
-except ImportError:  # no Triton: all-reduces only
-    PeerRows = None
 
 logger = logging.getLogger(__name__)
 
@@ -42,30 +45,28 @@ ONE_SHOT_MAX_BYTES = 512 * 1024
 # Larger ones up to this (the buffer's size) take the two-shot kernel: a 2048-token prefill
 # chunk of a hidden size up to 8192 in bf16 fits.
 MAX_BYTES = 32 * 2**20
+FLAG = "--enable-torch-symm-mem"
 ALIGNMENT = 16  # the kernels' widest loads; the buffer and the input must agree on it
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernels sum
 TWO_SHOT_WORLD_SIZES = (2, 4, 8)  # the only ones torch's two-shot kernel is built for
 ONE_SHOT = "symm_mem::one_shot_all_reduce_copy_out"
 TWO_SHOT = "symm_mem::two_shot_all_reduce_out"
-# Rows of the fused all-reduce + add + norm: each has a signal per rank (int32).
-FUSED_MAX_ROWS = 256
-FUSED_MAX_RANKS = 8
-FUSED_FLAG_BYTES = FUSED_MAX_ROWS * FUSED_MAX_RANKS * 4
 
 
-class SymmMemAllReduce:
+class SymmMemAllReduce(PeerAllReduce):
     """An all-reduce of tensors of its buffer's dtype, up to the buffer's size, over the
     ranks of the group named `group_name`, through that buffer (mapped by every rank): the
-    one-shot kernel up to `one_shot_max_bytes`, the two-shot kernel above."""
+    one-shot kernel up to `one_shot_max_bytes`, the two-shot kernel above; and the fused
+    all-reduce + add + RMSNorm of `PeerAllReduce` over `fused_rows` (None: not fused)."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str,
                  one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
                  fused_rows: PeerRows | None = None) -> None:
+        super().__init__(fused_rows, [buffer])
         self.buffer: torch.Tensor | None = buffer  # flat; None once released
         self.group_name = group_name
         self.max_numel = buffer.numel()
         self.one_shot_numel = one_shot_max_bytes // buffer.element_size()
-        self.fused_rows = fused_rows  # the fused kernel's slots and signals (None: no Triton)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through these kernels (else NCCL): the buffer's device and dtype,
@@ -96,28 +97,9 @@ class SymmMemAllReduce:
                                                        out.view(-1))
         return out
 
-    def takes_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether `add_rms_norm` takes `x` (`[rows, hidden]`): decode-sized rows of the
-        buffer's dtype, contiguous like `residual`, outside torch.compile. Every rank
-        answers alike."""
-        return (self.fused_rows is not None and not torch.compiler.is_compiling()
-                and self.fused_rows.takes(x) and residual.shape == x.shape
-                and x.is_contiguous() and residual.is_contiguous())
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`residual += sum of every rank's x`, then `(rms_norm(residual) * weight,
-        residual)`, in one launch."""
-        if self.buffer is None:
-            raise RuntimeError("this all-reduce's engine is closed: build the model again")
-        return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_rows)
-
     def release(self) -> None:
-        """Free the buffer once no kernel of this rank may still read it (a peer's last
-        kernel has passed its closing barrier when ours has)."""
-        if self.buffer is not None:
-            torch.cuda.synchronize(self.buffer.device)
-            self.buffer = None
+        super().release()
+        self.buffer = None
 
 
 def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
@@ -136,18 +118,19 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     if tp.size not in TWO_SHOT_WORLD_SIZES:  # the one-shot kernel only; larger go to NCCL
         max_bytes = min(max_bytes, one_shot_max_bytes)
     reason = _unsupported(tp, dtype, device)
-    # After the all-reduce's buffer: the fused kernel's slots (one per sender for each of
-    # two calls in a row), then its signals.
-    flags_at = max_bytes + 2 * tp.size * one_shot_max_bytes
-    total_bytes = flags_at + FUSED_FLAG_BYTES
+    # After the all-reduce's buffer: the fused kernel's slots, then its signals.
+    fused = PeerRows is not None and tp.size <= MAX_RANKS
+    flags_at = max_bytes + (PeerRows.slots_bytes(tp.size, row_numel(dtype), MAX_ROWS, dtype)
+                            if fused else 0)
+    total_bytes = flags_at + (PeerRows.flags_bytes(tp.size, MAX_ROWS) if fused else 0)
     buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
-    if _agreed(tp, buffer is not None, reason):
+    if agreed(tp, buffer is not None, reason, FLAG, logging.WARNING):
         buffer[flags_at // buffer.element_size():].zero_()
         torch.cuda.synchronize(device)  # zero before any peer can signal into it
         handle, reason = _rendezvous(buffer, tp.group.group_name)
-        if _agreed(tp, reason is None, reason):
-            fused_rows = _fused_rows(buffer, handle, max_bytes, flags_at, one_shot_max_bytes)
+        if agreed(tp, reason is None, reason, FLAG, logging.WARNING):
+            fused_rows = _fused_rows(buffer, handle, max_bytes, flags_at) if fused else None
             all_reduce_part = buffer[: max_bytes // buffer.element_size()]
             kernel = SymmMemAllReduce(all_reduce_part, tp.group.group_name, one_shot_max_bytes,
                                       fused_rows)
@@ -155,43 +138,33 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
             logger.info("all-reduces of %s run through torch symmetric memory (one-shot up to "
                         "%d KiB, two-shot up to %d KiB), larger ones through NCCL%s", dtype,
                         one_shot_max_bytes // 1024, max_bytes // 1024,
-                        "; with the residual add and RMSNorm in one kernel up to "
-                        f"{one_shot_max_bytes // 1024} KiB" if fused_rows else "")
+                        f"; with the residual add and RMSNorm in one kernel up to {MAX_ROWS} "
+                        "rows" if fused_rows else "")
             return kernel
     return None
 
 
-def _fused_rows(buffer: torch.Tensor, handle: object, slots_at: int, flags_at: int,
-                one_shot_max_bytes: int) -> PeerRows | None:
+def _fused_rows(buffer: torch.Tensor, handle: object, slots_at: int,
+                flags_at: int) -> PeerRows:
     """Every rank's addresses of the fused kernel's slots and signals, `slots_at` and
-    `flags_at` bytes into its buffer (None without Triton or with more ranks than the
-    signals have room for). The buffer starts at the same offset into every rank's
+    `flags_at` bytes into its buffer. The buffer starts at the same offset into every rank's
     mapping."""
-    if PeerRows is None or handle.world_size > FUSED_MAX_RANKS:
-        return None
     offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
     bases = [base + offset for base in handle.buffer_ptrs]
     return PeerRows([base + slots_at for base in bases], [base + flags_at for base in bases],
-                    handle.rank, one_shot_max_bytes // buffer.element_size(), FUSED_MAX_ROWS,
-                    buffer.dtype, buffer.device)
+                    handle.rank, row_numel(buffer.dtype), MAX_ROWS, buffer.dtype, buffer.device,
+                    timeout_ns())
 
 
 def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why this rank cannot use the kernel, or None."""
-    if device.type != "cuda":
-        return f"it needs CUDA devices, and this rank runs on {device}"
-    if dtype not in DTYPES:
+    """Why this rank cannot use the kernels, or None."""
+    if device.type == "cuda" and dtype not in DTYPES:
         return f"the kernels sum bfloat16 and float32, not {dtype}"
-    for op in (ONE_SHOT, TWO_SHOT) if tp.size in TWO_SHOT_WORLD_SIZES else (ONE_SHOT,):
-        if not _has_cuda_kernel(op):
-            return f"this torch ({torch.__version__}) has no CUDA kernel for {op}"
-    if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
-        return "the ranks span several hosts, and the kernel reads peers' memory directly"
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if not all(torch.cuda.can_device_access_peer(index, peer)
-               for peer in range(tp.size) if peer != index):
-        return "this GPU cannot read the other ranks' GPUs directly (no peer access)"
-    return None
+    if device.type == "cuda":
+        for op in (ONE_SHOT, TWO_SHOT) if tp.size in TWO_SHOT_WORLD_SIZES else (ONE_SHOT,):
+            if not _has_cuda_kernel(op):
+                return f"this torch ({torch.__version__}) has no CUDA kernel for {op}"
+    return unsupported(tp, dtype, device)
 
 
 def _has_cuda_kernel(op: str) -> bool:
@@ -223,13 +196,3 @@ def _rendezvous(buffer: torch.Tensor, group_name: str) -> tuple[object, str | No
         return symm_mem.rendezvous(buffer, group_name), None
     except RuntimeError as error:
         return None, f"the ranks could not map each other's buffers ({error})"
-
-
-def _agreed(tp: TensorParallel, ok: bool, reason: str | None) -> bool:
-    """Whether every rank is `ok`; if not, log why (this rank's reason, if it has one)."""
-    if tp.min_over_ranks(int(ok)):
-        return True
-    logger.warning("--enable-torch-symm-mem: %s; all-reduces stay on %s",
-                   reason or "another rank cannot use symmetric memory",
-                   dist.get_backend(tp.group))
-    return False

@@ -1,5 +1,5 @@
-"""A tensor-parallel all-reduce, the residual add after it and the RMSNorm after that, in one
-launch over buffers every rank has mapped (symmetric memory).
+"""A tensor-parallel all-reduce of decode-sized rows in one launch over buffers every rank
+has mapped, alone or with the residual add and the RMSNorm after it.
 
 In a decode step of a tensor-parallel model each row-parallel projection's output is summed
 over the ranks, added to the residual and normalised: an all-reduce launch then a norm
@@ -7,13 +7,20 @@ launch, each costing a few microseconds beyond its bytes. Here one program a row
 rank's part of the row into every peer's buffer (stores over NVLink need no answer, where
 reading a peer's memory waits for one), signals every peer, waits for every peer's signal,
 sums the parts in its own buffer in rank order (so every rank computes the same bits) and
-adds and normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does.
+either writes the sum or adds and normalises the row as `bcg.kernels.rmsnorm.add_rms_norm`
+does.
 
 The signals are call counters (`epochs`, one a row on each rank, the same on every rank as
 all ranks make the same calls), so no reset is needed between calls and a CUDA graph can
-replay the launch. Each rank's buffer has a slot per sender for each parity of the counter:
-a peer writes a slot again only two calls later, after this rank's signal of the call
-between, which it sends once it has read the slot.
+replay the launch. Each rank's buffer has a slot per sender for each parity of the counter,
+and a row has the same place in a slot whatever the width of the call: a peer writes it
+again only two calls of that row later, after this rank's signal of the call between, which
+it sends once it has read the row.
+
+A wait has a deadline (`PeerRows.timeout_ns`): a peer that died or stopped launching would
+otherwise keep this rank spinning in the kernel for good, out of reach of any abort. Past
+it the kernel traps, so the rank's next synchronisation raises a CUDA error instead of
+hanging.
 """
 
 from __future__ import annotations
@@ -22,9 +29,25 @@ import torch
 import triton
 import triton.language as tl
 
-from bcg.kernels._launch import CachedLauncher, next_power_of_2, require_last_dim_contiguous
+from bcg.kernels._launch import (
+    CachedLauncher,
+    multiprocessor_count,
+    next_power_of_2,
+    require_last_dim_contiguous,
+)
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
+
+
+def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
+    """The sum over ranks of `x` (`[rows, N]`, `peers.takes(x)`), in a new tensor, the same
+    bits on every rank. Every rank of `peers` must make the same calls with the same shapes,
+    in the same order."""
+    if not peers.takes(x):
+        raise ValueError(f"all_reduce_rows takes x {_fitting(peers)}; got x {_described(x)}")
+    out = torch.empty_like(x)
+    _run(x, x, x, out, 0.0, peers, add_norm=False)
+    return out
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -42,77 +65,142 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
 
     Returns `(out, residual)`, `out` new.
     """
-    rows, width = x.shape
     if not peers.takes(x) or residual.shape != x.shape or residual.dtype != x.dtype \
-            or norm_weight.shape != (width,):
+            or norm_weight.shape != (x.shape[-1],):
         raise ValueError(
-            f"all_reduce_add_rms_norm takes x and residual [rows, N] of the buffers' dtype "
-            f"{peers.dtype}, rows x N at most {peers.slot_numel} and rows at most "
-            f"{peers.max_rows}, and norm_weight [N]; got x {tuple(x.shape)} {x.dtype}, "
-            f"residual {tuple(residual.shape)} {residual.dtype}, norm_weight "
+            f"all_reduce_add_rms_norm takes x and residual {_fitting(peers)}, and norm_weight "
+            f"[N]; got x {_described(x)}, residual {_described(residual)}, norm_weight "
             f"{tuple(norm_weight.shape)}")
+    require_last_dim_contiguous("residual", residual)
     out = torch.empty_like(residual)
-    for name, tensor in (("x", x), ("residual", residual)):
-        require_last_dim_contiguous(name, tensor)
-    block = next_power_of_2(width)
-    _launch(
-        (rows,),
-        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs),
-        (float(eps),),
-        {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
-         "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
-         "SLOT_NUMEL": peers.slot_numel, "EPOCH_MASK": EPOCH_MASK, "BLOCK": block},
-        num_warps=min(16, max(1, block // 256)),
-    )
+    _run(x, residual, norm_weight, out, float(eps), peers, add_norm=True)
     return out, residual
 
 
 class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
-    `2 x world_size` slots of `slot_numel` elements (one per counter parity and sender) and
-    of its `max_rows x world_size` int32 signals (zero before the first call), and this
-    rank's row counters."""
+    `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per counter
+    parity and sender) and of its `max_rows x world_size` int32 signals (zero before the
+    first call), this rank's row counters, and how long a wait may last."""
 
     def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
-                 slot_numel: int, max_rows: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 row_numel: int, max_rows: int, dtype: torch.dtype, device: torch.device,
+                 timeout_ns: int) -> None:
         self.rank, self.world_size = rank, len(data_addresses)
-        self.slot_numel, self.max_rows, self.dtype = slot_numel, max_rows, dtype
+        self.row_numel, self.max_rows, self.dtype = row_numel, max_rows, dtype
+        self.timeout_ns = timeout_ns
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_addresses, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
+    @staticmethod
+    def slots_bytes(world_size: int, row_numel: int, max_rows: int, dtype: torch.dtype) -> int:
+        """Bytes of one rank's slots."""
+        return 2 * world_size * max_rows * row_numel * dtype.itemsize
+
+    @staticmethod
+    def flags_bytes(world_size: int, max_rows: int) -> int:
+        """Bytes of one rank's signals."""
+        return max_rows * world_size * 4
+
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether `x` (`[rows, N]`) fits: the buffers' dtype and device, rows x N within a
-        slot and rows within the signals."""
+        """Whether `x` (`[rows, N]`) fits: the buffers' dtype and device, at most `max_rows`
+        rows of at most `row_numel` elements, the last dim contiguous."""
         return (x.dim() == 2 and x.dtype == self.dtype and x.device == self.epochs.device
-                and 0 < x.shape[0] <= self.max_rows and x.numel() <= self.slot_numel)
+                and 0 < x.shape[0] <= self.max_rows and 0 < x.shape[1] <= self.row_numel
+                and x.stride(1) == 1)
+
+
+def _fitting(peers: PeerRows) -> str:
+    return (f"[rows, N] of the buffers' dtype {peers.dtype}, rows at most {peers.max_rows} and "
+            f"N at most {peers.row_numel}, last dim contiguous")
+
+
+def _described(x: torch.Tensor) -> str:
+    return f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
+
+
+def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor,
+         eps: float, peers: PeerRows, add_norm: bool) -> None:
+    rows, width = x.shape
+    block = next_power_of_2(width)
+    # At most a program per multiprocessor, each taking rows in turn: every program then runs
+    # at once, so none waits for a peer's row whose program on that peer cannot start.
+    programs = min(rows, multiprocessor_count(x.device))
+    _launch(
+        (programs,),
+        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs),
+        (eps, rows, peers.timeout_ns),
+        {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
+         "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
+         "ROW_NUMEL": peers.row_numel, "SLOT_NUMEL": peers.row_numel * peers.max_rows,
+         "EPOCH_MASK": EPOCH_MASK, "ADD_NORM": add_norm, "DEADLINE": x.is_cuda,
+         "BLOCK": block},
+        num_warps=min(16, max(1, block // 256)),
+    )
 
 
 @triton.jit
-def _all_reduce_add_norm_kernel(
-    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps,
+def _nanoseconds():
+    """The GPU's global timer."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _trap():
+    """End the kernel with an error the host sees at its next synchronisation."""
+    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _aligned(address, dtype: tl.constexpr):
+    """A buffer's address as a pointer Triton knows to be 16-byte aligned (so rows move in
+    16-byte loads and stores, not element by element)."""
+    return tl.multiple_of(address.to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit(do_not_specialize=["rows", "timeout_ns"])
+def _all_reduce_rows_kernel(
+    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps, rows,
+    timeout_ns,
     N: tl.constexpr,
     STRIDE_X: tl.constexpr,
     STRIDE_RES: tl.constexpr,
     STRIDE_OUT: tl.constexpr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
+    ROW_NUMEL: tl.constexpr,
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
+    ADD_NORM: tl.constexpr,  # else write the sum
+    DEADLINE: tl.constexpr,  # trap after timeout_ns of waiting (a GPU timer: not interpreted)
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
+                    eps, timeout_ns, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK,
+                    WORLD, ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM, DEADLINE, BLOCK)
+
+
+@triton.jit
+def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps,
+                timeout_ns, row, cols, mask, N: tl.constexpr, STRIDE_X: tl.constexpr,
+                STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr, RANK: tl.constexpr,
+                WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
+                EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr, DEADLINE: tl.constexpr,
+                BLOCK: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     tl.store(epochs_ptr + row, epoch)
-    row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * N  # + sender x SLOT_NUMEL
+    row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL  # + sender x SLOT_NUMEL
     x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            peer_data = tl.load(data_ptrs + peer).to(tl.pointer_type(dtype))
+            peer_data = _aligned(tl.load(data_ptrs + peer), dtype)
             tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
     tl.debug_barrier()  # the whole row stored before any peer hears of it
     for peer in tl.static_range(WORLD):
@@ -123,12 +211,17 @@ def _all_reduce_add_norm_kernel(
     ahead = (epoch + 1) & EPOCH_MASK  # a peer may already have signalled its next call
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            seen = tl.atomic_add(own_flags + row * WORLD + peer, 0, sem="acquire", scope="sys")
+            signal = own_flags + row * WORLD + peer
+            seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+            if DEADLINE:
+                started = _nanoseconds()
             while (seen != epoch) & (seen != ahead):
-                seen = tl.atomic_add(own_flags + row * WORLD + peer, 0, sem="acquire",
-                                     scope="sys")
+                if DEADLINE:
+                    if _nanoseconds() - started > timeout_ns:
+                        _trap()
+                seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
-    own_data = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
+    own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for sender in tl.static_range(WORLD):  # rank order: the same sum on every rank
         if sender == RANK:
@@ -137,16 +230,19 @@ def _all_reduce_add_norm_kernel(
             # Past the caches: the slot held other values two calls ago.
             total += tl.load(own_data + row_offset + sender * SLOT_NUMEL + cols, mask=mask,
                              other=0.0, cache_modifier=".cv").to(tl.float32)
-    residual_ptrs = residual_ptr + row * STRIDE_RES + cols
-    summed = total.to(dtype).to(tl.float32)  # rounded, as the all-reduce's output would be
-    hidden = (summed + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-    tl.store(residual_ptrs, hidden, mask=mask)
-    hidden32 = hidden.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(hidden32 * hidden32, 0) / N + eps)
-    normed = (hidden32 * inv_rms).to(dtype).to(tl.float32)
-    weight = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * STRIDE_OUT + cols, (normed * weight).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    out_ptrs = out_ptr + row * STRIDE_OUT + cols
+    if ADD_NORM:
+        residual_ptrs = residual_ptr + row * STRIDE_RES + cols
+        summed = total.to(dtype).to(tl.float32)  # rounded, as the all-reduce's output would be
+        hidden = (summed + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(residual_ptrs, hidden, mask=mask)
+        hidden32 = hidden.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(hidden32 * hidden32, 0) / N + eps)
+        normed = (hidden32 * inv_rms).to(dtype).to(tl.float32)
+        weight = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_launch = CachedLauncher(_all_reduce_add_norm_kernel)
+_launch = CachedLauncher(_all_reduce_rows_kernel)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from bcg.config import EngineConfig
+from bcg.distributed.custom_all_reduce import use_custom_all_reduce
 from bcg.distributed.expert_parallel import set_expert_parallel
 from bcg.distributed.parallel_state import set_custom_all_reduce, tensor_parallel
 from bcg.distributed.step_channel import StepChannel
@@ -105,8 +106,10 @@ class ModelRunner:
             # Before the model is built: its layers take their experts and collectives as set.
             set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch,
                                 fixed_block_tokens=config.alltoall_fixed_block_tokens)
-            self._custom_all_reduce = use_torch_symm_mem(config.enable_torch_symm_mem,
-                                                         self.dtype, self.device)
+            self._custom_all_reduce = (
+                use_torch_symm_mem(config.enable_torch_symm_mem, self.dtype, self.device)
+                or use_custom_all_reduce(not config.disable_custom_all_reduce, self.dtype,
+                                         self.device))
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         tp = tensor_parallel()  # this rank's heads

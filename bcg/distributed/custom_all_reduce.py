@@ -1,0 +1,204 @@
+"""The custom all-reduce (vLLM's name): decode-sized all-reduces, alone or with the residual
+add and the RMSNorm after them, in one kernel of ours (`bcg.kernels.all_reduce_norm`) over
+buffers that the ranks of one host map through CUDA IPC, instead of NCCL.
+
+A decode step of a tensor-parallel model all-reduces one hidden state per token twice a
+layer; at a few KiB, latency, not the bytes, sets their cost, and NCCL's launch, protocol and
+the norm launch after it cost more than the bytes. Each rank writes its rows into every
+peer's buffer and signals them; each sums what it received. Messages of up to `MAX_ROWS`
+rows of up to `MAX_ROW_BYTES` (a decode batch of 256 at hidden 8192 in bf16) take it; larger
+ones (prefill chunks), other dtypes and traced code (`torch.compile`) stay on the group's
+backend.
+
+On by default at tensor parallel on GPUs (`--disable-custom-all-reduce` turns it off). A wait
+for a peer has a deadline (`BCG_ALL_REDUCE_TIMEOUT` seconds, default 60): a rank whose peer
+died stops with a CUDA error there instead of spinning for good, and rank 0 names the failed
+rank. Where it cannot run (ranks on several hosts, no peer access between the GPUs, no
+Triton), the reason is logged and the group's backend does every all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
+
+from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
+
+try:
+    from bcg.kernels.all_reduce_norm import PeerRows, all_reduce_add_rms_norm, all_reduce_rows
+except ImportError:  # no Triton: no kernel
+    PeerRows = None
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 256  # rows of one call: a decode step of up to 256 sequences
+MAX_ROW_BYTES = 16 * 1024  # a row of up to 8192 bf16 (4096 fp32) elements
+MAX_RANKS = 8
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TIMEOUT_ENV = "BCG_ALL_REDUCE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 60.0  # start-up's first calls wait out a peer compiling the same kernels
+
+
+class PeerAllReduce:
+    """An all-reduce of `[..., N]` tensors of up to `rows.max_rows` rows of `rows.row_numel`
+    elements, and the fused all-reduce + add + RMSNorm, through the ranks' mapped buffers
+    (`rows`; None: the fused kernel is unavailable and nothing is taken). `mapped` holds
+    those buffers (this rank's and its peers') as long as the kernels may touch them."""
+
+    def __init__(self, rows: PeerRows | None, mapped: list[torch.Tensor]) -> None:
+        self.rows = rows
+        self.mapped: list[torch.Tensor] | None = mapped  # None once released
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes through the kernel (else the group's backend): contiguous, of
+        the buffers' dtype and device, rows and width within the buffers, and outside
+        torch.compile. Every rank answers alike: the answer depends on shapes only."""
+        return (self._open() and self.rows is not None and x.dim() > 0 and x.is_contiguous()
+                and not torch.compiler.is_compiling() and self.rows.takes(_as_rows(x)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x`, in a new tensor."""
+        return all_reduce_rows(_as_rows(x), self.rows).view(x.shape)
+
+    def takes_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether `add_rms_norm` takes `x` (`[rows, hidden]`): as `takes`, with `residual`
+        of the same shape and contiguous. Every rank answers alike."""
+        return (self._open() and self.rows is not None and not torch.compiler.is_compiling()
+                and self.rows.takes(x) and residual.shape == x.shape
+                and x.is_contiguous() and residual.is_contiguous())
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual += sum of every rank's x`, then `(rms_norm(residual) * weight,
+        residual)`, in one launch."""
+        self._open()
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.rows)
+
+    def release(self) -> None:
+        """Drop the buffers once no kernel of this rank may still touch them (a peer's last
+        kernel has passed its last wait when ours has)."""
+        if self.mapped is not None:
+            torch.cuda.synchronize(self.mapped[0].device)
+            self.mapped = None
+
+    def _open(self) -> bool:
+        if self.mapped is None:
+            raise RuntimeError("this all-reduce's engine is closed: build the model again")
+        return True
+
+
+def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
+                          device: torch.device) -> PeerAllReduce | None:
+    """With `enabled` and several ranks on GPUs, map every rank's buffer on every rank, make
+    the kernel the group's custom all-reduce and return it (a collective: every rank calls
+    this at the same point, before its model is built); or log why it cannot run here and
+    return None: then the group's backend does every all-reduce."""
+    tp = tensor_parallel()
+    if not enabled or tp.size == 1:
+        return None
+    slots_bytes = PeerRows.slots_bytes(tp.size, row_numel(dtype), MAX_ROWS, dtype) \
+        if PeerRows is not None else 0
+    reason = unsupported(tp, dtype, device)
+    if reason is None and tp.size > MAX_RANKS:
+        reason = f"it runs on up to {MAX_RANKS} ranks"
+    if reason is None and PeerRows is None:
+        reason = "its kernel needs Triton"
+    buffer, exported = None, None
+    if reason is None:
+        try:
+            buffer = torch.zeros(slots_bytes + PeerRows.flags_bytes(tp.size, MAX_ROWS),
+                                 dtype=torch.uint8, device=device)
+            exported = reduce_tensor(buffer)[1]
+            torch.cuda.synchronize(device)  # zeroed before any peer can signal into it
+        except RuntimeError as error:
+            reason = f"its buffer cannot be shared ({error})"
+    if not agreed(tp, reason is None, reason, "the custom all-reduce", logging.INFO):
+        return None
+    every_export: list[tuple | None] = [None] * tp.size
+    dist.all_gather_object(every_export, exported, group=tp.cpu_group)
+    mapped, reason = _map_peers(buffer, every_export, tp.rank, device)
+    if not agreed(tp, reason is None, reason, "the custom all-reduce", logging.WARNING):
+        return None
+    addresses = [b.data_ptr() for b in mapped]
+    rows = PeerRows(addresses, [a + slots_bytes for a in addresses], tp.rank, row_numel(dtype),
+                    MAX_ROWS, dtype, device, timeout_ns())
+    kernel = PeerAllReduce(rows, mapped)
+    set_custom_all_reduce(kernel)
+    logger.info("all-reduces of up to %d rows of up to %d KiB in %s run through the custom "
+                "all-reduce (with the residual add and RMSNorm in one kernel), larger ones "
+                "through %s", MAX_ROWS, MAX_ROW_BYTES // 1024, dtype, dist.get_backend(tp.group))
+    return kernel
+
+
+def row_numel(dtype: torch.dtype) -> int:
+    """Elements in a row of the buffers."""
+    return MAX_ROW_BYTES // dtype.itemsize
+
+
+def timeout_ns() -> int:
+    """How long a kernel waits for a peer before it traps: `BCG_ALL_REDUCE_TIMEOUT` seconds."""
+    text = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: give the seconds a custom all-reduce waits "
+                         f"for a peer, a number > 0 (default {DEFAULT_TIMEOUT_S:g})")
+    return int(seconds * 1e9)
+
+
+def _map_peers(buffer: torch.Tensor, every_export: list[tuple], rank: int,
+               device: torch.device) -> tuple[list[torch.Tensor] | None, str | None]:
+    """Every rank's buffer, opened here (this rank's own as it is): (them, None), or (None,
+    why not)."""
+    mapped = []
+    try:
+        for peer, exported in enumerate(every_export):
+            mapped.append(buffer if peer == rank else _open_on(exported, device))
+    except RuntimeError as error:
+        return None, f"the ranks could not map each other's buffers ({error})"
+    return mapped, None
+
+
+def _open_on(exported: tuple, device: torch.device) -> torch.Tensor:
+    """A peer's exported buffer (torch's CUDA IPC arguments), mapped into this rank's device
+    context: the kernels address it from here."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    arguments = list(exported)
+    arguments[6] = device.index  # storage_device: open the handle from our own device
+    return rebuild_cuda_tensor(*arguments)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.view(-1, x.shape[-1])
+
+
+def unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why this rank cannot run a kernel that reads and writes peers' memory, or None."""
+    if device.type != "cuda":
+        return f"it needs CUDA devices, and this rank runs on {device}"
+    if dtype not in DTYPES:
+        return f"the kernels sum {', '.join(str(d) for d in DTYPES)}, not {dtype}"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
+        return "the ranks span several hosts, and the kernel reads peers' memory directly"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not all(torch.cuda.can_device_access_peer(index, peer)
+               for peer in range(tp.size) if peer != index):
+        return "this GPU cannot read the other ranks' GPUs directly (no peer access)"
+    return None
+
+
+def agreed(tp: TensorParallel, ok: bool, reason: str | None, what: str, level: int) -> bool:
+    """Whether every rank is `ok`; if not, log at `level` why `what` cannot run (this
+    rank's reason, if it has one)."""
+    if tp.min_over_ranks(int(ok)):
+        return True
+    logger.log(level, "%s: %s; all-reduces stay on %s", what,
+               reason or "another rank cannot run it", dist.get_backend(tp.group))
+    return False
