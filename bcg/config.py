@@ -178,8 +178,8 @@ class EngineConfig:
         "the residual add and RMSNorm after them, run in one kernel of ours over buffers the "
         "ranks map through CUDA IPC; larger ones, and ranks on several hosts or without peer "
         "access between their GPUs (logged), use NCCL. A rank waits for a peer in that "
-        "kernel at most BCG_ALL_REDUCE_TIMEOUT seconds (default 60), then stops with a CUDA "
-        "error",
+        "kernel at most BCG_ALL_REDUCE_TIMEOUT seconds (default 60); a worker that died is "
+        "then named in the engine's error",
     )
     enable_torch_symm_mem: bool = _arg(
         False,

@@ -4,8 +4,8 @@ CPU: which tensors it takes, that a released one says its engine is closed, the 
 setting, and that on the CPU (gloo, 2 processes) every rank quietly stays on the group's
 backend. GPU (2 GPUs, NCCL): its sums equal NCCL's in bf16, fp16 and fp32, eagerly and
 replayed from CUDA graphs on fresh data, alone and fused with the residual add and the
-RMSNorm; a peer that never arrives stops the waiting rank with a CUDA error once the timeout
-has passed, and an engine whose worker dies in a step names that worker instead of hanging.
+RMSNorm; a rank whose peer never arrives gives up waiting once the timeout has passed (and
+counts it), and an engine whose worker dies in a step names that worker instead of hanging.
 """
 
 from __future__ import annotations
@@ -182,30 +182,27 @@ SILENT_PEER_TIMEOUT_S = 2
 
 
 def silent_peer_main(rank: int, port: int) -> None:
-    """Rank 1 sets the kernel up and never calls it; rank 0's call must end in an error soon
-    after the timeout. Both leave with os._exit: rank 0's CUDA context is gone."""
+    """Rank 1 sets the kernel up and never calls it; rank 0's call must give up waiting
+    soon after the timeout and count it."""
     device = join_gpu_group(rank, port)
     kernel = use_custom_all_reduce(True, torch.bfloat16, device)
     assert kernel is not None
     outcome = "ok"
     if rank == 0:
         start = time.monotonic()
-        try:
-            kernel(torch.ones(4, 4096, dtype=torch.bfloat16, device=device))
-            torch.cuda.synchronize(device)
-            outcome = "the call returned without its peer"
-        except RuntimeError as error:
-            waited = time.monotonic() - start
-            print(f"rank 0 stopped after {waited:.1f} s: {error}", flush=True)
-            if not SILENT_PEER_TIMEOUT_S <= waited < 10 * SILENT_PEER_TIMEOUT_S + 10:
-                outcome = f"it stopped after {waited:.1f} s"
+        kernel(torch.ones(4, 4096, dtype=torch.bfloat16, device=device))
+        torch.cuda.synchronize(device)
+        waited, timeouts = time.monotonic() - start, kernel.rows.timeouts.item()
+        print(f"rank 0 gave up after {waited:.1f} s, {timeouts} timeouts", flush=True)
+        if not (SILENT_PEER_TIMEOUT_S <= waited < 10 * SILENT_PEER_TIMEOUT_S and timeouts):
+            outcome = f"it waited {waited:.1f} s and counted {timeouts} timeouts"
     tensor_parallel().barrier()  # the CPU group: rank 1 stays until rank 0 is done
     print(f"rank {rank}: {outcome}", flush=True)
     os._exit(0 if outcome == "ok" else 1)
 
 
 @pytest.mark.gpu
-def test_a_rank_whose_peer_never_arrives_stops_with_an_error(monkeypatch):
+def test_a_rank_whose_peer_never_arrives_gives_up_after_the_timeout(monkeypatch):
     two_gpus()
     monkeypatch.setenv(TIMEOUT_ENV, str(SILENT_PEER_TIMEOUT_S))
     mp.spawn(silent_peer_main, args=(free_port(),), nprocs=2, join=True)

@@ -11,10 +11,11 @@ ones (prefill chunks), other dtypes and traced code (`torch.compile`) stay on th
 backend.
 
 On by default at tensor parallel on GPUs (`--disable-custom-all-reduce` turns it off). A wait
-for a peer has a deadline (`BCG_ALL_REDUCE_TIMEOUT` seconds, default 60): a rank whose peer
-died stops with a CUDA error there instead of spinning for good, and rank 0 names the failed
-rank. Where it cannot run (ranks on several hosts, no peer access between the GPUs, no
-Triton), the reason is logged and the group's backend does every all-reduce.
+for a peer has a deadline (`BCG_ALL_REDUCE_TIMEOUT` seconds, default 60): past it the kernel
+stops waiting and counts the timeout, as an aborted NCCL collective returns, so a rank
+whose peer died does not spin for good; rank 0's launcher, which saw the worker die, fails
+the step and names it. Where it cannot run (ranks on several hosts, no peer access between
+the GPUs, no Triton), the reason is logged and the group's backend does every all-reduce.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def row_numel(dtype: torch.dtype) -> int:
 
 
 def timeout_ns() -> int:
-    """How long a kernel waits for a peer before it traps: `BCG_ALL_REDUCE_TIMEOUT` seconds."""
+    """How long a kernel waits for a peer before it gives up: `BCG_ALL_REDUCE_TIMEOUT`
+    seconds."""
     text = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:
         seconds = float(text)

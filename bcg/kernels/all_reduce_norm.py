@@ -19,8 +19,9 @@ it sends once it has read the row.
 
 A wait has a deadline (`PeerRows.timeout_ns`): a peer that died or stopped launching would
 otherwise keep this rank spinning in the kernel for good, out of reach of any abort. Past
-it the kernel traps, so the rank's next synchronisation raises a CUDA error instead of
-hanging.
+it the kernel stops waiting, counts the timeout (`PeerRows.timeouts`) and goes on with
+whatever the slot holds, as NCCL's aborted collectives do; the engine's launcher, which has
+seen the peer die, then fails the step and names it.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class PeerRows:
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_addresses, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.timeouts = torch.zeros(1, dtype=torch.int32, device=device)  # waits given up
 
     @staticmethod
     def slots_bytes(world_size: int, row_numel: int, max_rows: int, dtype: torch.dtype) -> int:
@@ -129,7 +131,8 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
     programs = min(rows, multiprocessor_count(x.device))
     _launch(
         (programs,),
-        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs),
+        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs,
+         peers.timeouts),
         (eps, rows, peers.timeout_ns),
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
@@ -148,13 +151,6 @@ def _nanoseconds():
 
 
 @triton.jit
-def _trap():
-    """End the kernel with an error the host sees at its next synchronisation."""
-    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def _aligned(address, dtype: tl.constexpr):
     """A buffer's address as a pointer Triton knows to be 16-byte aligned (so rows move in
     16-byte loads and stores, not element by element)."""
@@ -163,8 +159,8 @@ def _aligned(address, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rows", "timeout_ns"])
 def _all_reduce_rows_kernel(
-    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps, rows,
-    timeout_ns,
+    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, timeouts_ptr, eps,
+    rows, timeout_ns,
     N: tl.constexpr,
     STRIDE_X: tl.constexpr,
     STRIDE_RES: tl.constexpr,
@@ -175,24 +171,25 @@ def _all_reduce_rows_kernel(
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
     ADD_NORM: tl.constexpr,  # else write the sum
-    DEADLINE: tl.constexpr,  # trap after timeout_ns of waiting (a GPU timer: not interpreted)
+    DEADLINE: tl.constexpr,  # give up after timeout_ns of waiting (a GPU timer: not interpreted)
     BLOCK: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
-                    eps, timeout_ns, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK,
-                    WORLD, ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM, DEADLINE, BLOCK)
+                    timeouts_ptr, eps, timeout_ns, row, cols, mask, N, STRIDE_X, STRIDE_RES,
+                    STRIDE_OUT, RANK, WORLD, ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM,
+                    DEADLINE, BLOCK)
 
 
 @triton.jit
-def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps,
-                timeout_ns, row, cols, mask, N: tl.constexpr, STRIDE_X: tl.constexpr,
-                STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr, RANK: tl.constexpr,
-                WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
-                EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr, DEADLINE: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
+                timeouts_ptr, eps, timeout_ns, row, cols, mask, N: tl.constexpr,
+                STRIDE_X: tl.constexpr, STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr,
+                RANK: tl.constexpr, WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr,
+                SLOT_NUMEL: tl.constexpr, EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr,
+                DEADLINE: tl.constexpr, BLOCK: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     tl.store(epochs_ptr + row, epoch)
@@ -213,13 +210,16 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
         if peer != RANK:
             signal = own_flags + row * WORLD + peer
             seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+            waiting = (seen != epoch) & (seen != ahead)
             if DEADLINE:
                 started = _nanoseconds()
-            while (seen != epoch) & (seen != ahead):
-                if DEADLINE:
-                    if _nanoseconds() - started > timeout_ns:
-                        _trap()
+            while waiting:
                 seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+                waiting = (seen != epoch) & (seen != ahead)
+                if DEADLINE:
+                    if waiting & (_nanoseconds() - started > timeout_ns):
+                        tl.atomic_add(timeouts_ptr, 1)
+                        waiting = False
     tl.debug_barrier()
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
