@@ -171,26 +171,28 @@ class EngineConfig:
         "the exchange); default: max(max_num_seqs, 2048): on two H100s (ep2) blocks beat "
         "the host's sync up to 2048 tokens and lost at 4096",
     )
-    disable_custom_all_reduce: bool = _arg(
+    enable_custom_all_reduce: bool = _arg(
         False,
-        "tensor parallel on GPUs: run every all-reduce through NCCL (vLLM's flag). By default "
-        "all-reduces of up to 256 rows of up to 16 KiB (a decode step's hidden states), and "
-        "the residual add and RMSNorm after them, run in one kernel of ours over buffers the "
-        "ranks map through CUDA IPC; larger ones, and ranks on several hosts or without peer "
-        "access between their GPUs (logged), use NCCL. A rank waits for a peer in that "
-        "kernel at most BCG_ALL_REDUCE_TIMEOUT seconds (default 60); a worker that died is "
-        "then named in the engine's error",
+        "tensor parallel on GPUs: all-reduces of up to 256 rows of up to 16 KiB (a decode "
+        "step's hidden states), and the residual add and RMSNorm after them, in one kernel of "
+        "ours over buffers the ranks map through CUDA IPC, instead of NCCL; larger ones stay "
+        "on NCCL, and ranks on several hosts or without peer access between their GPUs "
+        "(logged) use NCCL for all. On two H200s it makes qwen3-8b's tp2 decode step 11% "
+        "faster at batch 1 and 14% at 64. Off by default: a rank that dies mid-step can leave "
+        "the others waiting in the kernel (kill them); its wait's deadline "
+        "(BCG_ALL_REDUCE_TIMEOUT) did not yet end such a wait in a test",
     )
     enable_torch_symm_mem: bool = _arg(
         False,
         "tensor parallel on GPUs: all-reduces through torch symmetric memory's kernels, each "
-        "rank reading the others' buffers over NVLink (SGLang's flag), instead of the custom "
-        "all-reduce and NCCL: up to 512 KiB the one-shot kernel, up to 32 MiB (large batches, "
-        "prefill chunks) the two-shot one; an all-reduce that feeds the residual add and the "
-        "RMSNorm runs with them in the custom all-reduce's kernel (up to 256 rows); where "
-        "symmetric memory is unavailable (float16, ranks on several hosts, no peer access), "
-        "logged, the custom all-reduce and NCCL do them. torch's kernels wait for peers "
-        "without a timeout: a rank that dies mid-step leaves the others waiting (kill them)",
+        "rank reading the others' buffers over NVLink (SGLang's flag), instead of NCCL and of "
+        "the custom all-reduce: up to 512 KiB the one-shot kernel, up to 32 MiB (large "
+        "batches, prefill chunks) the two-shot one; an all-reduce that feeds the residual add "
+        "and the RMSNorm runs with them in the custom all-reduce's kernel (up to 256 rows); "
+        "where symmetric memory is unavailable (float16, ranks on several hosts, no peer "
+        "access), logged, NCCL (or the custom all-reduce, if enabled) does them. torch's "
+        "kernels wait for peers without a timeout: a rank that dies mid-step leaves the "
+        "others waiting (kill them)",
     )
 
     def __post_init__(self) -> None:

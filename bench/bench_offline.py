@@ -109,8 +109,9 @@ def time_workload(llm: LLM, requests, repeats: int) -> dict:
 
 def custom_all_reduce_active() -> str | None:
     """Which kernel the live engine's small all-reduces go through: "symm-mem" where
-    --enable-torch-symm-mem took effect, "custom" for the custom all-reduce (the default),
-    None for the group's backend (off, or unavailable: the log says why)."""
+    --enable-torch-symm-mem took effect, "custom" where --enable-custom-all-reduce did (or
+    the first fell back to it), None for the group's backend (the flags fall back, logged,
+    where they cannot run)."""
     kernel = tensor_parallel().custom_all_reduce
     if kernel is None:
         return None

@@ -261,7 +261,7 @@ def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float 
              "ep_fixed_block_tokens": (config.alltoall_fixed_block_tokens
                                        if config.uses_alltoall else None),
              "torch_symm_mem": config.enable_torch_symm_mem,
-             "disable_custom_all_reduce": config.disable_custom_all_reduce,
+             "enable_custom_all_reduce": config.enable_custom_all_reduce,
              "decode_graph": config.decode_graph, "device": device_name(config),
              "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     return [{**facts, **row} for row in rows]

@@ -10,12 +10,14 @@ rows of up to `MAX_ROW_BYTES` (a decode batch of 256 at hidden 8192 in bf16) tak
 ones (prefill chunks), other dtypes and traced code (`torch.compile`) stay on the group's
 backend.
 
-On by default at tensor parallel on GPUs (`--disable-custom-all-reduce` turns it off). A wait
-for a peer has a deadline (`BCG_ALL_REDUCE_TIMEOUT` seconds, default 60): past it the kernel
-stops waiting and counts the timeout, as an aborted NCCL collective returns, so a rank
-whose peer died does not spin for good; rank 0's launcher, which saw the worker die, fails
-the step and names it. Where it cannot run (ranks on several hosts, no peer access between
-the GPUs, no Triton), the reason is logged and the group's backend does every all-reduce.
+Off by default (`--enable-custom-all-reduce`): a rank whose peer died mid-step would wait
+in the kernel for good, out of reach of NCCL's abort. The wait has a deadline
+(`BCG_ALL_REDUCE_TIMEOUT` seconds, default 60) after which the kernel is meant to stop
+waiting and count the timeout, as an aborted NCCL collective returns; on two H200s
+(session 27) that path did not yet end a wait within its test's limit, so the flag stays
+off until it does. Where the kernel cannot run (ranks on several hosts, no peer access
+between the GPUs, no Triton), the reason is logged and the group's backend does every
+all-reduce.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ MAX_ROWS = 256  # rows of one call: a decode step of up to 256 sequences
 MAX_ROW_BYTES = 16 * 1024  # a row of up to 8192 bf16 (4096 fp32) elements
 MAX_RANKS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLAG = "--enable-custom-all-reduce"
 TIMEOUT_ENV = "BCG_ALL_REDUCE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0  # start-up's first calls wait out a peer compiling the same kernels
 
@@ -100,6 +103,8 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
     return None: then the group's backend does every all-reduce."""
     tp = tensor_parallel()
     if not enabled or tp.size == 1:
+        if enabled:
+            logger.info("%s has no effect on a single rank", FLAG)
         return None
     slots_bytes = PeerRows.slots_bytes(tp.size, row_numel(dtype), MAX_ROWS, dtype) \
         if PeerRows is not None else 0
@@ -117,12 +122,12 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
             torch.cuda.synchronize(device)  # zeroed before any peer can signal into it
         except RuntimeError as error:
             reason = f"its buffer cannot be shared ({error})"
-    if not agreed(tp, reason is None, reason, "the custom all-reduce", logging.INFO):
+    if not agreed(tp, reason is None, reason, FLAG, logging.WARNING):
         return None
     every_export: list[tuple | None] = [None] * tp.size
     dist.all_gather_object(every_export, exported, group=tp.cpu_group)
     mapped, reason = _map_peers(buffer, every_export, tp.rank, device)
-    if not agreed(tp, reason is None, reason, "the custom all-reduce", logging.WARNING):
+    if not agreed(tp, reason is None, reason, FLAG, logging.WARNING):
         return None
     addresses = [b.data_ptr() for b in mapped]
     rows = PeerRows(addresses, [a + slots_bytes for a in addresses], tp.rank, row_numel(dtype),
