@@ -9,10 +9,10 @@ any CUDA graph. Larger messages (a batch of 256 decodes at hidden 4096 is 2 MiB,
 chunk 16 MiB) take the two-shot kernel: each rank sums its 1/N of the message from every
 buffer, then gathers the others' sums, so it reads the message about twice, as NCCL's ring
 does, but in one launch with no pipeline of steps. Beyond the buffer, other dtypes and
-traced code (`torch.compile`) stay on NCCL. Where a one-shot-sized all-reduce feeds the
+traced code (`torch.compile`) stay on NCCL. Where an all-reduce of up to 256 rows feeds the
 residual add and the RMSNorm (the row-parallel projections and experts of a decode step),
-one Triton kernel of ours does all three (`bcg.kernels.all_reduce_norm`) over a second
-region of the same buffer.
+the custom all-reduce's Triton kernel does all three (`bcg.kernels.all_reduce_norm`) over a
+second region of the same buffer.
 
 Off by default: the barriers wait without a timeout: a rank that dies mid-step leaves the
 others spinning in the kernel (NCCL's abort cannot stop it), so they must be killed. The
