@@ -2,9 +2,10 @@
 
 CPU: which tensors it takes, that a released one says its engine is closed, the timeout's
 setting, and that on the CPU (gloo, 2 processes) every rank falls back to the group's
-backend, logged. GPU (2 GPUs, NCCL): its sums equal NCCL's in bf16, fp16 and fp32, eagerly
-and replayed from CUDA graphs on fresh data, alone and fused with the residual add and the
-RMSNorm. (Session 27's tests that a wait gives up after the timeout failed on two H200s:
+backend, logged, with this flag and with `--enable-torch-symm-mem`. GPU (2 GPUs, NCCL): its
+sums equal NCCL's in bf16, fp16 and fp32, eagerly and replayed from CUDA graphs on fresh
+data, alone and fused with the residual add and the RMSNorm. (Session 27's tests that a
+wait gives up after the timeout failed on two H200s:
 bench/results/custom_ar_s27/failing_timeout_tests.py.)
 """
 
@@ -33,6 +34,7 @@ from bcg.distributed.parallel_state import (
     spawned_group_store,
     tensor_parallel,
 )
+from bcg.distributed.symm_mem import use_torch_symm_mem
 from bcg.utils import free_port
 from tests.test_symm_mem import (
     check_fused_eager,
@@ -40,6 +42,7 @@ from tests.test_symm_mem import (
     check_graph_replays,
     nccl_sum,
 )
+from tests.test_symm_mem import cpu_kernel as symm_mem_cpu_kernel
 
 
 def cpu_kernel(dtype: torch.dtype = torch.bfloat16) -> PeerAllReduce:
@@ -74,11 +77,14 @@ def test_traced_tensors_are_not_taken():
     assert not takes(torch.zeros(4, 4096, dtype=torch.bfloat16))
 
 
-def test_a_released_kernel_says_its_engine_is_closed():
-    kernel = cpu_kernel()
-    kernel.mapped = None  # what release() leaves (it also waits for the GPU)
-    with pytest.raises(RuntimeError, match="engine is closed"):
-        kernel.takes(torch.zeros(8, dtype=torch.bfloat16))
+@pytest.mark.parametrize("make", [cpu_kernel, symm_mem_cpu_kernel], ids=["custom", "symm-mem"])
+def test_a_released_kernel_says_its_engine_is_closed(make, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no GPU here
+    kernel = make()
+    kernel.release()
+    for takes in (kernel.takes, lambda x: kernel.takes_add_rms_norm(x, x)):
+        with pytest.raises(RuntimeError, match="engine is closed"):
+            takes(torch.zeros(2, 8, dtype=torch.bfloat16))
 
 
 def test_the_timeout_comes_from_the_environment(monkeypatch):
@@ -109,11 +115,13 @@ def cpu_rank_main(rank: int, port: int) -> None:
     logging.getLogger("bcg.distributed").setLevel(logging.INFO)
     try:
         assert use_custom_all_reduce(True, torch.float32, torch.device("cpu")) is None
+        assert use_torch_symm_mem(True, torch.float32, torch.device("cpu")) is None
         assert tensor_parallel().custom_all_reduce is None
-        [message] = [r for r in records if "--enable-custom-all-reduce" in r.getMessage()]
-        assert message.levelno == logging.WARNING
-        assert "needs CUDA devices" in message.getMessage()
-        assert "stay on gloo" in message.getMessage()
+        for flag in ("--enable-custom-all-reduce", "--enable-torch-symm-mem"):
+            [message] = [r for r in records if flag in r.getMessage()]
+            assert message.levelno == logging.WARNING
+            assert "needs CUDA devices" in message.getMessage()
+            assert "stay on gloo" in message.getMessage()
         x = torch.full((4,), float(rank + 1))
         assert torch.equal(tensor_parallel().all_reduce(x), torch.full((4,), 3.0))
     finally:

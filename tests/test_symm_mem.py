@@ -1,8 +1,8 @@
 """The custom all-reduce through torch symmetric memory (`--enable-torch-symm-mem`).
 
 CPU: which tensors it takes, that `TensorParallel.all_reduce` routes them to it and the rest
-to the group, that a replaced or destroyed one is released, and that on the CPU (gloo, 2
-processes) the flag falls back to the group's backend on every rank. GPU (2 GPUs, NCCL): the
+to the group, and that a replaced or destroyed one is released (tests/test_custom_all_reduce.py
+has the fall-back on the CPU). GPU (2 GPUs, NCCL): the
 one-shot and two-shot kernels' sums equal NCCL's, eagerly and replayed from a CUDA graph on
 fresh data, in bf16 and fp32 (tests/test_multi_gpu.py runs whole models with it in every
 graph mode). The all-reduce fused with the residual add and the RMSNorm equals NCCL's sum
@@ -87,13 +87,6 @@ def test_traced_all_reduces_go_through_the_group(monkeypatch):
     all_reduce = torch.compile(tp.all_reduce, backend="eager", fullgraph=True)
     x = torch.ones(4096, dtype=torch.bfloat16)
     assert torch.equal(all_reduce(x.clone()), x * 2)
-
-
-def test_a_released_kernel_says_its_engine_is_closed():
-    kernel = cpu_kernel()
-    kernel.buffer = None  # what release() leaves (it also waits for the GPU)
-    with pytest.raises(RuntimeError, match="engine is closed"):
-        kernel.takes(torch.zeros(8, dtype=torch.bfloat16))
 
 
 def test_a_torch_without_the_ops_is_declined_not_an_error(monkeypatch):
@@ -193,28 +186,6 @@ def test_a_replaced_or_destroyed_kernel_is_released():
         assert second.released == 1 and tensor_parallel().custom_all_reduce is None
     finally:
         parallel_state._current = TensorParallel()
-
-
-def cpu_rank_main(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    init_tensor_parallel(2, "gloo", spawned_group_store(2, rank, port), rank)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("bcg.distributed").addHandler(handler)
-    try:
-        use_torch_symm_mem(True, torch.float32, torch.device("cpu"))
-        assert tensor_parallel().custom_all_reduce is None
-        [warning] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-        assert "needs CUDA devices" in warning and "stay on gloo" in warning, warning
-        x = torch.full((4,), float(rank + 1))
-        assert torch.equal(tensor_parallel().all_reduce(x), torch.full((4,), 3.0))
-    finally:
-        destroy_tensor_parallel()
-
-
-def test_on_the_cpu_every_rank_falls_back_to_the_groups_backend():
-    mp.spawn(cpu_rank_main, args=(free_port(),), nprocs=2, join=True)
 
 
 def test_a_single_rank_ignores_the_flag(caplog):
