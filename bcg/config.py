@@ -178,9 +178,8 @@ class EngineConfig:
         "ours over buffers the ranks map through CUDA IPC, instead of NCCL; larger ones stay "
         "on NCCL, and ranks on several hosts or without peer access between their GPUs "
         "(logged) use NCCL for all. On two H200s it makes qwen3-8b's tp2 decode step 11% "
-        "faster at batch 1 and 14% at 64. Off by default: a rank that dies mid-step can leave "
-        "the others waiting in the kernel (kill them); its wait's deadline "
-        "(BCG_ALL_REDUCE_TIMEOUT) did not yet end such a wait in a test",
+        "faster at batch 1 and 14% at 64. Off by default: its waits have no timeout, so a rank "
+        "that dies mid-step leaves the others waiting in the kernel (kill them)",
     )
     enable_torch_symm_mem: bool = _arg(
         False,

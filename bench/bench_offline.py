@@ -46,6 +46,7 @@ from common import (  # noqa: E402
 )
 
 from bcg.distributed.parallel_state import tensor_parallel  # noqa: E402
+from bcg.distributed.symm_mem import SymmMemAllReduce  # noqa: E402
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.llm_engine import EngineStats  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
@@ -115,7 +116,7 @@ def custom_all_reduce_active() -> str | None:
     kernel = tensor_parallel().custom_all_reduce
     if kernel is None:
         return None
-    return "symm-mem" if type(kernel).__name__ == "SymmMemAllReduce" else "custom"
+    return "symm-mem" if isinstance(kernel, SymmMemAllReduce) else "custom"
 
 
 def on_engine(measure: Callable[[LLM], T], **llm_args) -> tuple[T, float]:

@@ -375,15 +375,21 @@ def print_tables(rows: list[dict], floor: str = "floor") -> None:
 
 
 def print_symm_mem_fallbacks(rows: list[dict]) -> None:
-    """Name each configuration's part that asked for --enable-torch-symm-mem and ran
-    without it (the flag falls back, logged, where symmetric memory cannot be set up; rows
-    before the custom all-reduce say True or False)."""
-    fell_back = {(r["config"], r["part"], r.get("custom_all_reduce")) for r in rows
-                 if r.get("torch_symm_mem")
-                 and r.get("custom_all_reduce") not in (True, "symm-mem")}
-    for config, part, kernel in sorted(fell_back, key=str):
-        print(f"note: {config}'s {part} rows ran on {kernel or 'NCCL'}: --enable-torch-symm-mem "
-              "did not take effect (the log says why)")
+    """Name each configuration's part whose flag for a kernel of ours did not take effect
+    (each falls back, logged, where it cannot run; rows before the custom all-reduce say
+    True or False, and None for torch symmetric memory that fell back to NCCL)."""
+    wanted = {"torch_symm_mem": ("symm-mem", "--enable-torch-symm-mem"),
+              "enable_custom_all_reduce": ("custom", "--enable-custom-all-reduce")}
+    fell_back = set()
+    for r in rows:
+        for key, (kernel, flag) in wanted.items():
+            ran = r.get("custom_all_reduce")
+            if r.get(key) and ran not in (True, kernel) and not (key == "enable_custom_all_reduce"
+                                                                 and ran == "symm-mem"):
+                fell_back.add((r["config"], r["part"], flag, ran or "NCCL"))
+    for config, part, flag, ran in sorted(fell_back):
+        print(f"note: {config}'s {part} rows ran on {ran}: {flag} did not take effect (the log "
+              "says why)")
 
 
 def print_prefill_table(rows: list[dict]) -> None:

@@ -29,7 +29,7 @@ class TwoRanks:
         self.rank, self.peer = rank, 1 - rank
         self.peers = all_reduce_norm.PeerRows(
             [d.data_ptr() for d in self.data], [f.data_ptr() for f in self.flags], rank,
-            ROW_NUMEL, MAX_ROWS, DTYPE, torch.device(DEVICE), timeout_ns=10**9)
+            ROW_NUMEL, MAX_ROWS, DTYPE, torch.device(DEVICE))
 
     def rows(self, receiver: int, sender: int, epoch: int, rows: int, width: int) -> torch.Tensor:
         """The rows `sender` sent `receiver` in its call `epoch`: each row has its place in
@@ -106,6 +106,21 @@ def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int) ->
             sent = ranks.rows(ranks.peer, ranks.rank, epoch, MAX_ROWS, width)[row]
             assert torch.equal(sent, mine[row])
         assert ranks.peers.epochs[:rows].tolist() == epochs
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_peer_already_at_its_next_call_is_not_waited_for(rank: int) -> None:
+    """The peer finished this call and signalled its next one: its rows for this call are
+    in the slot of this call's parity, and its newer signal lets this rank go on."""
+    draw, ranks = draws(10 + rank), TwoRanks(rank)
+    mine, theirs = draw(3, 16), draw(3, 16)
+    ranks.peer_sends(theirs, 1)
+    ranks.flags[ranks.rank].view(MAX_ROWS, 2)[:3, ranks.peer] = 2  # its call 2 began
+    parts = (mine, theirs) if rank == 0 else (theirs, mine)
+    expected = (parts[0].float() + parts[1].float()).to(DTYPE)
+    got = all_reduce_norm.all_reduce_rows(mine, ranks.peers)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    ranks.check_sent(mine, 1)
 
 
 def test_refuses_what_does_not_fit() -> None:

@@ -186,5 +186,5 @@ def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path,
                                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         finally:
             llm.close()
-    tokens.append([output.outputs[0].token_ids for output in outputs])
+        tokens.append([output.outputs[0].token_ids for output in outputs])
     assert tokens[0] == tokens[1]

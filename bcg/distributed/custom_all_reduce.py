@@ -10,24 +10,21 @@ rows of up to `MAX_ROW_BYTES` (a decode batch of 256 at hidden 8192 in bf16) tak
 ones (prefill chunks), other dtypes and traced code (`torch.compile`) stay on the group's
 backend.
 
-Off by default (`--enable-custom-all-reduce`): a rank whose peer died mid-step would wait
-in the kernel for good, out of reach of NCCL's abort. The wait has a deadline
-(`BCG_ALL_REDUCE_TIMEOUT` seconds, default 60) after which the kernel is meant to stop
-waiting and count the timeout, as an aborted NCCL collective returns; on two H200s
-(session 27) that path did not yet end a wait within its test's limit, so the flag stays
-off until it does. Where the kernel cannot run (ranks on several hosts, no peer access
-between the GPUs, no Triton), the reason is logged and the group's backend does every
-all-reduce.
+Off by default (`--enable-custom-all-reduce`): its waits have no timeout, so a rank whose
+peer died mid-step waits in the kernel for good, out of reach of NCCL's abort (kill it).
+Where the kernel cannot run (ranks on several hosts, no peer access between the GPUs, no
+Triton), the reason is logged and the group's backend does every all-reduce.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
 
@@ -43,15 +40,16 @@ MAX_ROW_BYTES = 16 * 1024  # a row of up to 8192 bf16 (4096 fp32) elements
 MAX_RANKS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FLAG = "--enable-custom-all-reduce"
-TIMEOUT_ENV = "BCG_ALL_REDUCE_TIMEOUT"
-DEFAULT_TIMEOUT_S = 60.0  # start-up's first calls wait out a peer compiling the same kernels
+# Where rebuild_cuda_tensor takes the device to open a shared buffer on.
+_STORAGE_DEVICE = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
 
 
 class PeerAllReduce:
     """An all-reduce of `[..., N]` tensors of up to `rows.max_rows` rows of `rows.row_numel`
     elements, and the fused all-reduce + add + RMSNorm, through the ranks' mapped buffers
-    (`rows`; None: the fused kernel is unavailable and nothing is taken). `mapped` holds
-    those buffers (this rank's and its peers') as long as the kernels may touch them."""
+    (`rows`; None: no Triton, so the kernel takes nothing here, though a subclass may take
+    messages for kernels of its own). `mapped` holds those buffers (this rank's and its
+    peers') as long as the kernels may touch them."""
 
     def __init__(self, rows: PeerRows | None, mapped: list[torch.Tensor]) -> None:
         self.rows = rows
@@ -61,7 +59,8 @@ class PeerAllReduce:
         """Whether `x` goes through the kernel (else the group's backend): contiguous, of
         the buffers' dtype and device, rows and width within the buffers, and outside
         torch.compile. Every rank answers alike: the answer depends on shapes only."""
-        return (self._open() and self.rows is not None and x.dim() > 0 and x.is_contiguous()
+        self._check_open()
+        return (self.rows is not None and x.dim() > 0 and x.is_contiguous()
                 and not torch.compiler.is_compiling() and self.rows.takes(_as_rows(x)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,29 +69,31 @@ class PeerAllReduce:
 
     def takes_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether `add_rms_norm` takes `x` (`[rows, hidden]`): as `takes`, with `residual`
-        of the same shape and contiguous. Every rank answers alike."""
-        return (self._open() and self.rows is not None and not torch.compiler.is_compiling()
+        of the same shape, dtype and device, and contiguous. Every rank answers alike."""
+        self._check_open()
+        return (self.rows is not None and not torch.compiler.is_compiling()
                 and self.rows.takes(x) and residual.shape == x.shape
+                and residual.dtype == x.dtype and residual.device == x.device
                 and x.is_contiguous() and residual.is_contiguous())
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual += sum of every rank's x`, then `(rms_norm(residual) * weight,
         residual)`, in one launch."""
-        self._open()
+        self._check_open()
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.rows)
 
     def release(self) -> None:
         """Drop the buffers once no kernel of this rank may still touch them (a peer's last
-        kernel has passed its last wait when ours has)."""
+        kernel has passed its last wait when ours has), and hand shared ones back."""
         if self.mapped is not None:
             torch.cuda.synchronize(self.mapped[0].device)
             self.mapped = None
+            torch.cuda.ipc_collect()
 
-    def _open(self) -> bool:
+    def _check_open(self) -> None:
         if self.mapped is None:
             raise RuntimeError("this all-reduce's engine is closed: build the model again")
-        return True
 
 
 def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
@@ -113,25 +114,27 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
         reason = f"it runs on up to {MAX_RANKS} ranks"
     if reason is None and PeerRows is None:
         reason = "its kernel needs Triton"
-    buffer, exported = None, None
+    buffer, exports = None, None
     if reason is None:
         try:
             buffer = torch.zeros(slots_bytes + PeerRows.flags_bytes(tp.size, MAX_ROWS),
                                  dtype=torch.uint8, device=device)
-            exported = reduce_tensor(buffer)[1]
+            # One export per peer: each peer's import releases one count of the buffer.
+            exports = [None if peer == tp.rank else reduce_tensor(buffer)[1]
+                       for peer in range(tp.size)]
             torch.cuda.synchronize(device)  # zeroed before any peer can signal into it
         except RuntimeError as error:
             reason = f"its buffer cannot be shared ({error})"
-    if not agreed(tp, reason is None, reason, FLAG, logging.WARNING):
+    if not agreed(tp, reason is None, reason, FLAG):
         return None
-    every_export: list[tuple | None] = [None] * tp.size
-    dist.all_gather_object(every_export, exported, group=tp.cpu_group)
-    mapped, reason = _map_peers(buffer, every_export, tp.rank, device)
-    if not agreed(tp, reason is None, reason, FLAG, logging.WARNING):
+    every_export: list[list | None] = [None] * tp.size
+    dist.all_gather_object(every_export, exports, group=tp.cpu_group)
+    mapped, reason = _map_peers(buffer, [e[tp.rank] for e in every_export], tp.rank, device)
+    if not agreed(tp, reason is None, reason, FLAG):
         return None
     addresses = [b.data_ptr() for b in mapped]
     rows = PeerRows(addresses, [a + slots_bytes for a in addresses], tp.rank, row_numel(dtype),
-                    MAX_ROWS, dtype, device, timeout_ns())
+                    MAX_ROWS, dtype, device)
     kernel = PeerAllReduce(rows, mapped)
     set_custom_all_reduce(kernel)
     logger.info("all-reduces of up to %d rows of up to %d KiB in %s run through the custom "
@@ -145,20 +148,6 @@ def row_numel(dtype: torch.dtype) -> int:
     return MAX_ROW_BYTES // dtype.itemsize
 
 
-def timeout_ns() -> int:
-    """How long a kernel waits for a peer before it gives up: `BCG_ALL_REDUCE_TIMEOUT`
-    seconds."""
-    text = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: give the seconds a custom all-reduce waits "
-                         f"for a peer, a number > 0 (default {DEFAULT_TIMEOUT_S:g})")
-    return int(seconds * 1e9)
-
-
 def _map_peers(buffer: torch.Tensor, every_export: list[tuple], rank: int,
                device: torch.device) -> tuple[list[torch.Tensor] | None, str | None]:
     """Every rank's buffer, opened here (this rank's own as it is): (them, None), or (None,
@@ -167,7 +156,7 @@ def _map_peers(buffer: torch.Tensor, every_export: list[tuple], rank: int,
     try:
         for peer, exported in enumerate(every_export):
             mapped.append(buffer if peer == rank else _open_on(exported, device))
-    except RuntimeError as error:
+    except Exception as error:  # noqa: BLE001 (every rank must reach the agreement after)
         return None, f"the ranks could not map each other's buffers ({error})"
     return mapped, None
 
@@ -175,10 +164,8 @@ def _map_peers(buffer: torch.Tensor, every_export: list[tuple], rank: int,
 def _open_on(exported: tuple, device: torch.device) -> torch.Tensor:
     """A peer's exported buffer (torch's CUDA IPC arguments), mapped into this rank's device
     context: the kernels address it from here."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     arguments = list(exported)
-    arguments[6] = device.index  # storage_device: open the handle from our own device
+    arguments[_STORAGE_DEVICE] = device.index  # open the handle from our own device
     return rebuild_cuda_tensor(*arguments)
 
 
@@ -194,6 +181,9 @@ def unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) ->
         return f"the kernels sum {', '.join(str(d) for d in DTYPES)}, not {dtype}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
         return "the ranks span several hosts, and the kernel reads peers' memory directly"
+    if torch.cuda.device_count() < tp.size:
+        return (f"this rank sees {torch.cuda.device_count()} GPUs, not one per rank (each "
+                "rank's GPU is the one of its index)")
     index = torch.cuda.current_device() if device.index is None else device.index
     if not all(torch.cuda.can_device_access_peer(index, peer)
                for peer in range(tp.size) if peer != index):
@@ -201,11 +191,11 @@ def unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) ->
     return None
 
 
-def agreed(tp: TensorParallel, ok: bool, reason: str | None, what: str, level: int) -> bool:
-    """Whether every rank is `ok`; if not, log at `level` why `what` cannot run (this
+def agreed(tp: TensorParallel, ok: bool, reason: str | None, flag: str) -> bool:
+    """Whether every rank is `ok`; if not, warn why `flag` does not take effect (this
     rank's reason, if it has one)."""
     if tp.min_over_ranks(int(ok)):
         return True
-    logger.log(level, "%s: %s; all-reduces stay on %s", what,
-               reason or "another rank cannot run it", dist.get_backend(tp.group))
+    logger.warning("%s does not take effect: %s", flag,
+                   reason or "another rank cannot run it")
     return False

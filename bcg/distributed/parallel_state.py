@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 
 class CustomAllReduce(Protocol):
-    """An all-reduce kernel of our own for the messages it `takes` (bcg.distributed.symm_mem)."""
+    """An all-reduce kernel of our own for the messages it `takes`
+    (bcg.distributed.custom_all_reduce, bcg.distributed.symm_mem)."""
 
     def takes(self, x: torch.Tensor) -> bool: ...
 

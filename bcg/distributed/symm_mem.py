@@ -32,7 +32,6 @@ from bcg.distributed.custom_all_reduce import (
     PeerRows,
     agreed,
     row_numel,
-    timeout_ns,
     unsupported,
 )
 from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
@@ -77,8 +76,7 @@ class SymmMemAllReduce(PeerAllReduce):
         # Checked first: a traced tensor has no storage to look at.
         if torch.compiler.is_compiling():
             return False
-        if self.buffer is None:
-            raise RuntimeError("this all-reduce's engine is closed: build the model again")
+        self._check_open()
         return (x.device == self.buffer.device and x.dtype == self.buffer.dtype
                 and 0 < x.numel() <= self.max_numel and x.is_contiguous()
                 and (x.numel() * x.element_size()) % ALIGNMENT == 0
@@ -125,11 +123,11 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     total_bytes = flags_at + (PeerRows.flags_bytes(tp.size, MAX_ROWS) if fused else 0)
     buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
-    if agreed(tp, buffer is not None, reason, FLAG, logging.WARNING):
+    if agreed(tp, buffer is not None, reason, FLAG):
         buffer[flags_at // buffer.element_size():].zero_()
         torch.cuda.synchronize(device)  # zero before any peer can signal into it
         handle, reason = _rendezvous(buffer, tp.group.group_name)
-        if agreed(tp, reason is None, reason, FLAG, logging.WARNING):
+        if agreed(tp, reason is None, reason, FLAG):
             fused_rows = _fused_rows(buffer, handle, max_bytes, flags_at) if fused else None
             all_reduce_part = buffer[: max_bytes // buffer.element_size()]
             kernel = SymmMemAllReduce(all_reduce_part, tp.group.group_name, one_shot_max_bytes,
@@ -152,18 +150,18 @@ def _fused_rows(buffer: torch.Tensor, handle: object, slots_at: int,
     offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
     bases = [base + offset for base in handle.buffer_ptrs]
     return PeerRows([base + slots_at for base in bases], [base + flags_at for base in bases],
-                    handle.rank, row_numel(buffer.dtype), MAX_ROWS, buffer.dtype, buffer.device,
-                    timeout_ns())
+                    handle.rank, row_numel(buffer.dtype), MAX_ROWS, buffer.dtype, buffer.device)
 
 
 def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why this rank cannot use the kernels, or None."""
-    if device.type == "cuda" and dtype not in DTYPES:
+    if device.type != "cuda":
+        return unsupported(tp, dtype, device)
+    if dtype not in DTYPES:
         return f"the kernels sum bfloat16 and float32, not {dtype}"
-    if device.type == "cuda":
-        for op in (ONE_SHOT, TWO_SHOT) if tp.size in TWO_SHOT_WORLD_SIZES else (ONE_SHOT,):
-            if not _has_cuda_kernel(op):
-                return f"this torch ({torch.__version__}) has no CUDA kernel for {op}"
+    for op in (ONE_SHOT, TWO_SHOT) if tp.size in TWO_SHOT_WORLD_SIZES else (ONE_SHOT,):
+        if not _has_cuda_kernel(op):
+            return f"this torch ({torch.__version__}) has no CUDA kernel for {op}"
     return unsupported(tp, dtype, device)
 
 

@@ -3,8 +3,10 @@ has mapped, alone or with the residual add and the RMSNorm after it.
 
 In a decode step of a tensor-parallel model each row-parallel projection's output is summed
 over the ranks, added to the residual and normalised: an all-reduce launch then a norm
-launch, each costing a few microseconds beyond its bytes. Here one program a row writes its
-rank's part of the row into every peer's buffer (stores over NVLink need no answer, where
+launch, each costing a few microseconds beyond its bytes. Here each program takes rows in
+turn (at most one program per multiprocessor, so all run at once and none waits for a row
+whose program on the peer cannot start) and, for each, writes its rank's part of the row
+into every peer's buffer (stores over NVLink need no answer, where
 reading a peer's memory waits for one), signals every peer, waits for every peer's signal,
 sums the parts in its own buffer in rank order (so every rank computes the same bits) and
 either writes the sum or adds and normalises the row as `bcg.kernels.rmsnorm.add_rms_norm`
@@ -17,11 +19,9 @@ and a row has the same place in a slot whatever the width of the call: a peer wr
 again only two calls of that row later, after this rank's signal of the call between, which
 it sends once it has read the row.
 
-A wait has a deadline (`PeerRows.timeout_ns`): a peer that died or stopped launching would
-otherwise keep this rank spinning in the kernel for good, out of reach of any abort. Past
-it the kernel stops waiting, counts the timeout (`PeerRows.timeouts`) and goes on with
-whatever the slot holds, as NCCL's aborted collectives do; the engine's launcher, which has
-seen the peer die, then fails the step and names it.
+A wait has no deadline: a peer that died or stopped launching leaves this rank spinning in
+the kernel, out of reach of NCCL's abort (a deadline on the GPU's timer was tried and did
+not work: README, Tensor parallelism).
 """
 
 from __future__ import annotations
@@ -85,15 +85,13 @@ class PeerRows:
     first call), this rank's row counters, and how long a wait may last."""
 
     def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
-                 row_numel: int, max_rows: int, dtype: torch.dtype, device: torch.device,
-                 timeout_ns: int) -> None:
+                 row_numel: int, max_rows: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.rank, self.world_size = rank, len(data_addresses)
         self.row_numel, self.max_rows, self.dtype = row_numel, max_rows, dtype
-        self.timeout_ns = timeout_ns
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_addresses, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.timeouts = torch.zeros(1, dtype=torch.int32, device=device)  # waits given up
 
     @staticmethod
     def slots_bytes(world_size: int, row_numel: int, max_rows: int, dtype: torch.dtype) -> int:
@@ -131,23 +129,14 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
     programs = min(rows, multiprocessor_count(x.device))
     _launch(
         (programs,),
-        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs,
-         peers.timeouts),
-        (eps, rows, peers.timeout_ns),
+        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs),
+        (eps, rows),
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
          "ROW_NUMEL": peers.row_numel, "SLOT_NUMEL": peers.row_numel * peers.max_rows,
-         "EPOCH_MASK": EPOCH_MASK, "ADD_NORM": add_norm, "DEADLINE": x.is_cuda,
-         "BLOCK": block},
+         "EPOCH_MASK": EPOCH_MASK, "ADD_NORM": add_norm, "BLOCK": block},
         num_warps=min(16, max(1, block // 256)),
     )
-
-
-@triton.jit
-def _nanoseconds():
-    """The GPU's global timer."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -157,10 +146,9 @@ def _aligned(address, dtype: tl.constexpr):
     return tl.multiple_of(address.to(tl.pointer_type(dtype)), 16)
 
 
-@triton.jit(do_not_specialize=["rows", "timeout_ns"])
+@triton.jit(do_not_specialize=["rows"])
 def _all_reduce_rows_kernel(
-    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, timeouts_ptr, eps,
-    rows, timeout_ns,
+    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps, rows,
     N: tl.constexpr,
     STRIDE_X: tl.constexpr,
     STRIDE_RES: tl.constexpr,
@@ -171,25 +159,22 @@ def _all_reduce_rows_kernel(
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
     ADD_NORM: tl.constexpr,  # else write the sum
-    DEADLINE: tl.constexpr,  # give up after timeout_ns of waiting (a GPU timer: not interpreted)
     BLOCK: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
-                    timeouts_ptr, eps, timeout_ns, row, cols, mask, N, STRIDE_X, STRIDE_RES,
-                    STRIDE_OUT, RANK, WORLD, ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM,
-                    DEADLINE, BLOCK)
+                    eps, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK, WORLD,
+                    ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM, BLOCK)
 
 
 @triton.jit
-def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
-                timeouts_ptr, eps, timeout_ns, row, cols, mask, N: tl.constexpr,
-                STRIDE_X: tl.constexpr, STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr,
-                RANK: tl.constexpr, WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr,
-                SLOT_NUMEL: tl.constexpr, EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr,
-                DEADLINE: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps,
+                row, cols, mask, N: tl.constexpr, STRIDE_X: tl.constexpr,
+                STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr, RANK: tl.constexpr,
+                WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
+                EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     tl.store(epochs_ptr + row, epoch)
@@ -210,16 +195,8 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
         if peer != RANK:
             signal = own_flags + row * WORLD + peer
             seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
-            waiting = (seen != epoch) & (seen != ahead)
-            if DEADLINE:
-                started = _nanoseconds()
-            while waiting:
+            while (seen != epoch) & (seen != ahead):
                 seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
-                waiting = (seen != epoch) & (seen != ahead)
-                if DEADLINE:
-                    if waiting & (_nanoseconds() - started > timeout_ns):
-                        tl.atomic_add(timeouts_ptr, 1)
-                        waiting = False
     tl.debug_barrier()
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     total = tl.zeros((BLOCK,), dtype=tl.float32)

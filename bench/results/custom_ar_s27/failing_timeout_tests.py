@@ -1,5 +1,5 @@
 """Session 27: the two GPU tests of the custom all-reduce's deadline, archived (they failed
-on two H200s, so the flag stays off by default). They were part of
+on two H200s; the deadline is not in the kernel any more, so they need one to run). They were part of
 tests/test_custom_all_reduce.py at commit 8aca042 (join_gpu_group, use_custom_all_reduce
 and the other names come from there); here for the record, not collected by pytest.
 Outcome on two H200s: the first "F" (the kernel did not come back within the test's

@@ -1,10 +1,8 @@
 #!/bin/bash
 # For the next session (two GPUs): what session 27 could not finish for the custom
-# all-reduce. Every log goes to $OUT whole (session 27 lost the failing tests' reasons to a
-# truncated tail). Restore the archived deadline tests first:
-#   sed -n '/^SILENT_PEER_TIMEOUT_S/,$p' bench/results/custom_ar_s27/failing_timeout_tests.py \
-#     >> tests/test_custom_all_reduce.py   (and add the imports they need: os, time,
-#     TIMEOUT_ENV; the engine test needs enable_custom_all_reduce=True on its LLM)
+# all-reduce (its final kernel, without the deadline, and the tiny models with the flag).
+# Every log goes to $OUT whole (session 27 lost the failing tests' reasons to a truncated
+# tail).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p $OUT
