@@ -371,22 +371,24 @@ def print_tables(rows: list[dict], floor: str = "floor") -> None:
     print_offline_table(rows)
     if rows_of(rows, GRAPHS_PART):
         print_graphs_table(rows)
-    print_symm_mem_fallbacks(rows)
+    print_flag_fallbacks(rows)
 
 
-def print_symm_mem_fallbacks(rows: list[dict]) -> None:
-    """Name each configuration's part whose flag for a kernel of ours did not take effect
-    (each falls back, logged, where it cannot run; rows before the custom all-reduce say
-    True or False, and None for torch symmetric memory that fell back to NCCL)."""
-    wanted = {"torch_symm_mem": ("symm-mem", "--enable-torch-symm-mem"),
-              "enable_custom_all_reduce": ("custom", "--enable-custom-all-reduce")}
+def print_flag_fallbacks(rows: list[dict]) -> None:
+    """Name each configuration's part that asked for an all-reduce kernel of ours and ran
+    without it (each flag falls back, logged, where it cannot run; torch symmetric memory's
+    before the custom all-reduce; rows from before the custom all-reduce say True or False)."""
     fell_back = set()
     for r in rows:
-        for key, (kernel, flag) in wanted.items():
-            ran = r.get("custom_all_reduce")
-            if r.get(key) and ran not in (True, kernel) and not (key == "enable_custom_all_reduce"
-                                                                 and ran == "symm-mem"):
-                fell_back.add((r["config"], r["part"], flag, ran or "NCCL"))
+        if r.get("torch_symm_mem"):
+            flag, wanted = "--enable-torch-symm-mem", "symm-mem"
+        elif r.get("enable_custom_all_reduce"):
+            flag, wanted = "--enable-custom-all-reduce", "custom"
+        else:
+            continue
+        ran = r.get("custom_all_reduce")
+        if ran not in (True, wanted):
+            fell_back.add((r["config"], r["part"], flag, ran or "NCCL"))
     for config, part, flag, ran in sorted(fell_back):
         print(f"note: {config}'s {part} rows ran on {ran}: {flag} did not take effect (the log "
               "says why)")

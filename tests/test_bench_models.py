@@ -78,14 +78,19 @@ def test_a_setup_measures_decode_and_offline_with_its_facts(qwen3):
     assert not any(row["custom_all_reduce"] for row in rows)  # one rank: no custom kernel
 
 
-def test_parts_that_asked_for_symm_mem_and_ran_on_nccl_are_named(capsys):
+def test_parts_that_asked_for_a_kernel_of_ours_and_ran_without_it_are_named(capsys):
     rows = [{"config": "tp2-symm-mem", "part": part, "torch_symm_mem": True,
              "custom_all_reduce": active} for part, active in (("decode", True),
                                                                ("offline", False))]
     rows.append({"config": "tp2", "part": "offline", "torch_symm_mem": False,
                  "custom_all_reduce": False})
-    model_suite.print_symm_mem_fallbacks(rows)
+    rows += [{"config": "tp2-custom", "part": part, "enable_custom_all_reduce": True,
+              "custom_all_reduce": active} for part, active in (("decode", "custom"),
+                                                                ("offline", None))]
+    model_suite.print_flag_fallbacks(rows)
     assert capsys.readouterr().out.splitlines() == [
+        "note: tp2-custom's offline rows ran on NCCL: --enable-custom-all-reduce did not take "
+        "effect (the log says why)",
         "note: tp2-symm-mem's offline rows ran on NCCL: --enable-torch-symm-mem did not take "
         "effect (the log says why)"]
 

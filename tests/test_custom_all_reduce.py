@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from bcg.distributed.custom_all_reduce import (
     MAX_ROWS,
     PeerAllReduce,
+    peer_rows,
     row_numel,
     use_custom_all_reduce,
 )
@@ -43,12 +44,9 @@ from tests.test_symm_mem import cpu_kernel as symm_mem_cpu_kernel
 
 def cpu_kernel(dtype: torch.dtype = torch.bfloat16) -> PeerAllReduce:
     """The kernel's bookkeeping over plain CPU buffers: enough for `takes`."""
-    from bcg.kernels.all_reduce_norm import PeerRows
-
     buffers = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
-    rows = PeerRows([b.data_ptr() for b in buffers], [b.data_ptr() for b in buffers], 0,
-                    row_numel(dtype), MAX_ROWS, dtype, torch.device("cpu"))
-    return PeerAllReduce(rows, buffers)
+    return PeerAllReduce(peer_rows([b.data_ptr() for b in buffers], 0, dtype,
+                                   torch.device("cpu")), buffers)
 
 
 def test_it_takes_decode_sized_rows_of_its_dtype():

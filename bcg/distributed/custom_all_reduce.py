@@ -107,18 +107,11 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
         if enabled:
             logger.info("%s has no effect on a single rank", FLAG)
         return None
-    slots_bytes = PeerRows.slots_bytes(tp.size, row_numel(dtype), MAX_ROWS, dtype) \
-        if PeerRows is not None else 0
-    reason = unsupported(tp, dtype, device)
-    if reason is None and tp.size > MAX_RANKS:
-        reason = f"it runs on up to {MAX_RANKS} ranks"
-    if reason is None and PeerRows is None:
-        reason = "its kernel needs Triton"
+    reason = unsupported(tp, dtype, device) or rows_unsupported(tp)
     buffer, exports = None, None
     if reason is None:
         try:
-            buffer = torch.zeros(slots_bytes + PeerRows.flags_bytes(tp.size, MAX_ROWS),
-                                 dtype=torch.uint8, device=device)
+            buffer = torch.zeros(region_bytes(tp.size, dtype), dtype=torch.uint8, device=device)
             # One export per peer: each peer's import releases one count of the buffer.
             exports = [None if peer == tp.rank else reduce_tensor(buffer)[1]
                        for peer in range(tp.size)]
@@ -132,9 +125,7 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
     mapped, reason = _map_peers(buffer, [e[tp.rank] for e in every_export], tp.rank, device)
     if not agreed(tp, reason is None, reason, FLAG):
         return None
-    addresses = [b.data_ptr() for b in mapped]
-    rows = PeerRows(addresses, [a + slots_bytes for a in addresses], tp.rank, row_numel(dtype),
-                    MAX_ROWS, dtype, device)
+    rows = peer_rows([b.data_ptr() for b in mapped], tp.rank, dtype, device)
     kernel = PeerAllReduce(rows, mapped)
     set_custom_all_reduce(kernel)
     logger.info("all-reduces of up to %d rows of up to %d KiB in %s run through the custom "
@@ -146,6 +137,27 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
 def row_numel(dtype: torch.dtype) -> int:
     """Elements in a row of the buffers."""
     return MAX_ROW_BYTES // dtype.itemsize
+
+
+def rows_unsupported(tp: TensorParallel) -> str | None:
+    """Why the kernel cannot run over this group, or None."""
+    if PeerRows is None:
+        return "its kernel needs Triton"
+    if tp.size > MAX_RANKS:
+        return f"it runs on up to {MAX_RANKS} ranks"
+    return None
+
+
+def region_bytes(world_size: int, dtype: torch.dtype) -> int:
+    """Bytes of the region each rank maps for the kernel: its slots, then its signals."""
+    return PeerRows.region_bytes(world_size, row_numel(dtype), MAX_ROWS, dtype)[1]
+
+
+def peer_rows(bases: list[int], rank: int, dtype: torch.dtype, device: torch.device) -> PeerRows:
+    """The kernel's view of every rank's region (`bases`: their addresses, as mapped here)."""
+    slots = PeerRows.region_bytes(len(bases), row_numel(dtype), MAX_ROWS, dtype)[0]
+    return PeerRows(bases, [base + slots for base in bases], rank, row_numel(dtype), MAX_ROWS,
+                    dtype, device)
 
 
 def _map_peers(buffer: torch.Tensor, every_export: list[tuple], rank: int,

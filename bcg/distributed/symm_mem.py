@@ -26,12 +26,13 @@ import logging
 import torch
 
 from bcg.distributed.custom_all_reduce import (
-    MAX_RANKS,
     MAX_ROWS,
     PeerAllReduce,
     PeerRows,
     agreed,
-    row_numel,
+    peer_rows,
+    region_bytes,
+    rows_unsupported,
     unsupported,
 )
 from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
@@ -62,7 +63,6 @@ class SymmMemAllReduce(PeerAllReduce):
                  one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
                  fused_rows: PeerRows | None = None) -> None:
         super().__init__(fused_rows, [buffer])
-        self.buffer: torch.Tensor | None = buffer  # flat; None once released
         self.group_name = group_name
         self.max_numel = buffer.numel()
         self.one_shot_numel = one_shot_max_bytes // buffer.element_size()
@@ -95,9 +95,11 @@ class SymmMemAllReduce(PeerAllReduce):
                                                        out.view(-1))
         return out
 
-    def release(self) -> None:
-        super().release()
-        self.buffer = None
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer of torch's kernels (this rank's, mapped by every rank)."""
+        self._check_open()
+        return self.mapped[0]
 
 
 def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
@@ -116,19 +118,17 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     if tp.size not in TWO_SHOT_WORLD_SIZES:  # the one-shot kernel only; larger go to NCCL
         max_bytes = min(max_bytes, one_shot_max_bytes)
     reason = _unsupported(tp, dtype, device)
-    # After the all-reduce's buffer: the fused kernel's slots, then its signals.
-    fused = PeerRows is not None and tp.size <= MAX_RANKS
-    flags_at = max_bytes + (PeerRows.slots_bytes(tp.size, row_numel(dtype), MAX_ROWS, dtype)
-                            if fused else 0)
-    total_bytes = flags_at + (PeerRows.flags_bytes(tp.size, MAX_ROWS) if fused else 0)
+    # After the all-reduce's buffer: the fused kernel's region (its slots, then its signals).
+    fused = rows_unsupported(tp) is None
+    total_bytes = max_bytes + (region_bytes(tp.size, dtype) if fused else 0)
     buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
     if agreed(tp, buffer is not None, reason, FLAG):
-        buffer[flags_at // buffer.element_size():].zero_()
+        buffer[max_bytes // buffer.element_size():].zero_()  # the signals start at zero
         torch.cuda.synchronize(device)  # zero before any peer can signal into it
         handle, reason = _rendezvous(buffer, tp.group.group_name)
         if agreed(tp, reason is None, reason, FLAG):
-            fused_rows = _fused_rows(buffer, handle, max_bytes, flags_at) if fused else None
+            fused_rows = _fused_rows(buffer, handle, max_bytes) if fused else None
             all_reduce_part = buffer[: max_bytes // buffer.element_size()]
             kernel = SymmMemAllReduce(all_reduce_part, tp.group.group_name, one_shot_max_bytes,
                                       fused_rows)
@@ -142,15 +142,12 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     return None
 
 
-def _fused_rows(buffer: torch.Tensor, handle: object, slots_at: int,
-                flags_at: int) -> PeerRows:
-    """Every rank's addresses of the fused kernel's slots and signals, `slots_at` and
-    `flags_at` bytes into its buffer. The buffer starts at the same offset into every rank's
-    mapping."""
+def _fused_rows(buffer: torch.Tensor, handle: object, region_at: int) -> PeerRows:
+    """The fused kernel's view of every rank's region, `region_at` bytes into its buffer.
+    The buffer starts at the same offset into every rank's mapping."""
     offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
-    bases = [base + offset for base in handle.buffer_ptrs]
-    return PeerRows([base + slots_at for base in bases], [base + flags_at for base in bases],
-                    handle.rank, row_numel(buffer.dtype), MAX_ROWS, buffer.dtype, buffer.device)
+    return peer_rows([base + offset + region_at for base in handle.buffer_ptrs], handle.rank,
+                     buffer.dtype, buffer.device)
 
 
 def _unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -82,7 +82,7 @@ class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
     `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per counter
     parity and sender) and of its `max_rows x world_size` int32 signals (zero before the
-    first call), this rank's row counters, and how long a wait may last."""
+    first call), and this rank's row counters."""
 
     def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
                  row_numel: int, max_rows: int, dtype: torch.dtype,
@@ -94,14 +94,11 @@ class PeerRows:
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
     @staticmethod
-    def slots_bytes(world_size: int, row_numel: int, max_rows: int, dtype: torch.dtype) -> int:
-        """Bytes of one rank's slots."""
-        return 2 * world_size * max_rows * row_numel * dtype.itemsize
-
-    @staticmethod
-    def flags_bytes(world_size: int, max_rows: int) -> int:
-        """Bytes of one rank's signals."""
-        return max_rows * world_size * 4
+    def region_bytes(world_size: int, row_numel: int, max_rows: int,
+                     dtype: torch.dtype) -> tuple[int, int]:
+        """(bytes of one rank's slots, bytes of its slots and the signals after them)."""
+        slots = 2 * world_size * max_rows * row_numel * dtype.itemsize
+        return slots, slots + max_rows * world_size * 4
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` (`[rows, N]`) fits: the buffers' dtype and device, at most `max_rows`
