@@ -3,12 +3,14 @@ has mapped, alone or with the residual add and the RMSNorm after it.
 
 In a decode step of a tensor-parallel model each row-parallel projection's output is summed
 over the ranks, added to the residual and normalised: an all-reduce launch then a norm
-launch, each costing a few microseconds beyond its bytes. Here each program takes rows in
-turn and, for each, writes its rank's part of the row into every peer's buffer (stores over
-NVLink need no answer, where reading a peer's memory waits for one), waits until every
-peer's part has arrived in its own buffer, sums the parts in rank order (so every rank
-computes the same bits) and either writes the sum or adds and normalises the row as
-`bcg.kernels.rmsnorm.add_rms_norm` does.
+launch, each costing a few microseconds beyond its bytes. Here each of a few programs takes
+rows in turn: first it writes its rank's part of each of its rows into every peer's buffer
+(stores over NVLink need no answer, where reading a peer's memory waits for one), then for
+each row it waits until every peer's part has arrived in its own buffer, sums the parts in
+rank order (so every rank computes the same bits) and either writes the sum or adds and
+normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does. A program waits only for
+rows that the same program on each peer sends before it waits for anything, and there are
+few enough programs (`MAX_PROGRAMS`) to all run at once beside other work.
 
 There are no signals apart from the data (the one-shot "Lamport" scheme): an empty slot
 holds negative zeros (`EMPTY`), a sender sends its negative zeros as positive ones, so a row
@@ -33,13 +35,16 @@ import triton.language as tl
 
 from bcg.kernels._launch import (
     CachedLauncher,
-    multiprocessor_count,
     next_power_of_2,
     require_last_dim_contiguous,
 )
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
 EMPTY = -0.0  # what an empty slot holds: no sent element is a negative zero
+# Programs of one launch: all must run at once (each waits for rows that the same program on
+# each peer sends), which a grid of one program per row, or per multiprocessor, did not
+# always do (its GPU tests hung at 256 rows).
+MAX_PROGRAMS = 32
 
 
 def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
@@ -119,11 +124,8 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
          eps: float, peers: PeerRows, add_norm: bool) -> None:
     rows, width = x.shape
     block = next_power_of_2(width)
-    # At most a program per multiprocessor, each taking rows in turn: every program then runs
-    # at once, so none waits for a peer's row whose program on that peer cannot start.
-    programs = min(rows, multiprocessor_count(x.device))
     _launch(
-        (programs,),
+        (min(rows, MAX_PROGRAMS),),
         (x, residual, norm_weight, out, peers.data_ptrs, peers.epochs),
         (eps, rows),
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
@@ -159,9 +161,39 @@ def _all_reduce_rows_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        _send_row(x_ptr, data_ptrs, epochs_ptr, row, cols, mask, STRIDE_X, RANK, WORLD,
+                  ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK)
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, epochs_ptr,
                     eps, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK, WORLD,
                     ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM, BLOCK)
+
+
+@triton.jit
+def _send_row(x_ptr, data_ptrs, epochs_ptr, row, cols, mask, STRIDE_X: tl.constexpr,
+              RANK: tl.constexpr, WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr,
+              SLOT_NUMEL: tl.constexpr, EPOCH_MASK: tl.constexpr):
+    """This rank's part of `row` into its slot in every peer's buffer."""
+    epoch = _next_epoch(epochs_ptr, row, EPOCH_MASK)
+    row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL + RANK * SLOT_NUMEL
+    x = _own_part(x_ptr, row, cols, mask, STRIDE_X)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            peer_data = _aligned(tl.load(data_ptrs + peer), x_ptr.dtype.element_ty)
+            tl.store(peer_data + row_offset + cols, x, mask=mask)
+
+
+@triton.jit
+def _next_epoch(epochs_ptr, row, EPOCH_MASK: tl.constexpr):
+    """The call count of `row` in this call."""
+    return (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
+
+
+@triton.jit
+def _own_part(x_ptr, row, cols, mask, STRIDE_X: tl.constexpr):
+    """This rank's part of `row`, negative zeros made positive (else read as not yet sent)."""
+    x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
+    return tl.where(x == 0.0, tl.zeros_like(x), x)
 
 
 @triton.jit
@@ -171,15 +203,10 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, epochs_ptr,
                 WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
                 EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
-    epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
+    epoch = _next_epoch(epochs_ptr, row, EPOCH_MASK)
     tl.store(epochs_ptr + row, epoch)
     row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL  # + sender x SLOT_NUMEL
-    x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
-    x = tl.where(x == 0.0, tl.zeros_like(x), x)  # a negative zero would read as not yet sent
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            peer_data = _aligned(tl.load(data_ptrs + peer), dtype)
-            tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
+    x = _own_part(x_ptr, row, cols, mask, STRIDE_X)
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for sender in tl.static_range(WORLD):  # rank order: the same sum on every rank

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Session 28, call 4 (two GPUs): the two-phase, 32-program Lamport kernel: its tests, the tiny
+# models with the flag, qwen3-8b decode tp1 / tp2-custom, and its latency beside NCCL's.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpus.txt
+run() {  # name timeout command...
+    local name=$1 limit=$2; shift 2
+    timeout $limit "$@" > $OUT/$name.log 2>&1; echo "$name rc $?"; tail -1 $OUT/$name.log
+}
+run kernels 60 python -m pytest -q -rA tests/test_kernels_all_reduce_norm.py
+run custom 90 python -m pytest -q -rA tests/test_custom_all_reduce.py -p no:faulthandler
+run symm 90 python -m pytest -q -rA tests/test_symm_mem.py -p no:faulthandler
+run multi 150 python -m pytest -q -rA tests/test_multi_gpu.py -k "tiny-qwen3-tp2 or second_engine and custom"
+run tp 110 python bench/bench_tp.py --configs tp1 tp2-custom --parts decode --repeats 1
+cp bench/results/bench_tp.json $OUT/ 2>/dev/null; grep -A8 "x floor" $OUT/tp.log; grep "decode step at batch 1" $OUT/tp.log
+run all_reduce 60 python bench/bench_all_reduce.py
+cp bench/results/bench_all_reduce.json $OUT/ 2>/dev/null; grep -A17 "µs per call" $OUT/all_reduce.log
