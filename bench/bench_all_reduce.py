@@ -1,14 +1,12 @@
 """All-reduce latency on 2 GPUs inside CUDA graphs: NCCL against the one-shot and the two-shot
-kernels through torch symmetric memory (`--enable-torch-symm-mem`) and against our custom
-all-reduce (`--enable-custom-all-reduce`), bf16, message sizes from one token's hidden state
-(8 KiB at hidden 4096) to a 2048-token prefill chunk's at hidden 8192 (32 MiB).
+kernels through torch symmetric memory (`--enable-torch-symm-mem`), bf16, message sizes from
+one token's hidden state (8 KiB at hidden 4096) to a 2048-token prefill chunk's at hidden
+8192 (32 MiB).
 
 Each measurement is a CUDA graph of `CALLS` all-reduces in a row, replayed `REPLAYS` times
 between CUDA events on rank 0 (both ranks replay together): µs per all-reduce. Rows carry
-`bytes`, `nccl_us`, `one_shot_us` (None above `LARGEST_ONE_SHOT`), `two_shot_us`,
-`custom_us` and `custom_fused_us` (the custom all-reduce alone and with the residual add and
-RMSNorm, on rows of `HIDDEN`; None above what it takes) and each kernel's ratio to NCCL.
-The engine's split between the symmetric-memory kernels is `bcg.distributed.symm_mem`'s
+`bytes`, `nccl_us`, `one_shot_us` (None above `LARGEST_ONE_SHOT`), `two_shot_us` and each
+kernel's ratio to NCCL. The engine's split between them is `bcg.distributed.symm_mem`'s
 `ONE_SHOT_MAX_BYTES`.
 Back to back, each all-reduce also waits for the other rank to finish its last one, which
 costs NCCL more than the kernel: between a model's kernels the order can differ (it does
@@ -20,7 +18,6 @@ Run: python bench/bench_all_reduce.py
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +29,6 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, require_cuda, write_results  # noqa: E402
 
-from bcg.distributed.custom_all_reduce import PeerAllReduce, use_custom_all_reduce  # noqa: E402
 from bcg.distributed.parallel_state import (  # noqa: E402
     destroy_tensor_parallel,
     init_tensor_parallel,
@@ -46,8 +42,6 @@ LARGEST_ONE_SHOT = 4 * 2**20  # the one-shot kernel is measured up to here
 CALLS = 32
 REPLAYS = 20
 DTYPE = torch.bfloat16
-HIDDEN = 4096  # the custom all-reduce's rows: one token's hidden state of qwen3-8b
-EPS = 1e-6
 
 
 def graph_us(all_reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
@@ -90,41 +84,17 @@ def rank_main(rank: int, port: int, out_path: Path) -> None:
         for size in SIZES:
             x = torch.zeros(size // DTYPE.itemsize, dtype=DTYPE, device=device)  # sums stay 0
             row = {"bytes": size, "nccl_us": graph_us(nccl, x), "one_shot_us": None,
-                   "two_shot_us": graph_us(two_shot, x), "custom_us": None,
-                   "custom_fused_us": None}
+                   "two_shot_us": graph_us(two_shot, x)}
             if size <= LARGEST_ONE_SHOT:
                 row["one_shot_us"] = graph_us(one_shot, x)
-            rows.append(row)
-        custom_rows(rows, device)  # its set-up releases symmetric memory's buffers
-        for row in rows:
-            for kind in ("one_shot", "two_shot", "custom", "custom_fused"):
+            for kind in ("one_shot", "two_shot"):
                 if row[f"{kind}_us"] is not None:
                     row[f"{kind}_over_nccl"] = row[f"{kind}_us"] / row["nccl_us"]
+            rows.append(row)
         if rank == 0:
             torch.save(rows, out_path)
     finally:
         destroy_tensor_parallel()
-
-
-def custom_rows(rows: list[dict], device: torch.device) -> None:
-    """The custom all-reduce's columns of `rows`, for the sizes it takes as rows of HIDDEN."""
-    custom = use_custom_all_reduce(True, DTYPE, device)
-    if custom is None:
-        raise SystemExit("bench_all_reduce: the custom all-reduce did not set up (see the log)")
-    weight = torch.ones(HIDDEN, dtype=DTYPE, device=device)
-    for row in rows:
-        x = torch.zeros(row["bytes"] // DTYPE.itemsize, dtype=DTYPE, device=device)
-        x = x.view(-1, HIDDEN)
-        if not custom.takes(x):
-            continue
-        row["custom_us"] = graph_us(custom, x)
-        row["custom_fused_us"] = graph_us(
-            functools.partial(fused, custom, torch.zeros_like(x), weight), x)
-
-
-def fused(custom: PeerAllReduce, residual: torch.Tensor, weight: torch.Tensor,
-          x: torch.Tensor) -> torch.Tensor:
-    return custom.add_rms_norm(x, residual, weight, EPS)[0]
 
 
 def main() -> None:
@@ -135,12 +105,10 @@ def main() -> None:
     mp.spawn(rank_main, args=(free_port(), out_path), nprocs=2, join=True)
     rows = torch.load(out_path)
     print_table("all-reduce in CUDA graphs, bf16, 2 GPUs (µs per call)",
-                ["bytes", "nccl us", "one-shot us", "two-shot us", "custom us",
-                 "custom fused us", "one-shot / nccl", "two-shot / nccl", "custom / nccl"],
+                ["bytes", "nccl us", "one-shot us", "two-shot us", "one-shot / nccl",
+                 "two-shot / nccl"],
                 [[r["bytes"], r["nccl_us"], r["one_shot_us"] or "-", r["two_shot_us"],
-                  r["custom_us"] or "-", r["custom_fused_us"] or "-",
-                  r.get("one_shot_over_nccl", "-"), r["two_shot_over_nccl"],
-                  r.get("custom_over_nccl", "-")] for r in rows])
+                  r.get("one_shot_over_nccl", "-"), r["two_shot_over_nccl"]] for r in rows])
     write_results("bench_all_reduce", {"dtype": str(DTYPE), "calls_per_graph": CALLS,
                                        "rows": rows})
 

@@ -1,6 +1,6 @@
 """The one-launch all-reduce of rows, alone and with the residual add + RMSNorm, on one
-process, a peer rank played by hand: its buffers are plain tensors and its rows already
-received (Triton's interpreter on the CPU, fp32; bf16 on a GPU).
+process, a peer rank played by hand: its buffers are plain tensors, its rows already
+received and its signal already sent (Triton's interpreter on the CPU, fp32; bf16 on a GPU).
 Two GPUs run it for real in tests/test_custom_all_reduce.py and tests/test_symm_mem.py."""
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ SLOT_NUMEL = MAX_ROWS * ROW_NUMEL
 
 
 class TwoRanks:
-    """Rank `rank`'s view of two ranks' slots, rank `1 - rank` simulated."""
+    """Rank `rank`'s view of two ranks' slots and signals, rank `1 - rank` simulated."""
 
     def __init__(self, rank: int) -> None:
-        self.data = [torch.full((2 * 2 * SLOT_NUMEL,), all_reduce_norm.EMPTY, dtype=DTYPE,
-                                device=DEVICE) for _ in range(2)]
+        self.data = [torch.zeros(2 * 2 * SLOT_NUMEL, dtype=DTYPE, device=DEVICE)
+                     for _ in range(2)]
+        self.flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32, device=DEVICE)
+                      for _ in range(2)]
         self.rank, self.peer = rank, 1 - rank
         self.peers = all_reduce_norm.PeerRows(
-            [d.data_ptr() for d in self.data], rank, ROW_NUMEL, MAX_ROWS, DTYPE,
-            torch.device(DEVICE))
+            [d.data_ptr() for d in self.data], [f.data_ptr() for f in self.flags], rank,
+            ROW_NUMEL, MAX_ROWS, DTYPE, torch.device(DEVICE))
 
     def rows(self, receiver: int, sender: int, epoch: int, rows: int, width: int) -> torch.Tensor:
         """The rows `sender` sent `receiver` in its call `epoch`: each row has its place in
@@ -37,20 +39,17 @@ class TwoRanks:
         return slot[:rows, :width]
 
     def peer_sends(self, part: torch.Tensor, epoch: int) -> None:
-        """The peer's call `epoch`: its rows in this rank's slot for it."""
+        """The peer's call `epoch`: its rows in this rank's slot for it, its signal in this
+        rank's flags."""
         self.rows(self.rank, self.peer, epoch, *part.shape).copy_(part)
+        self.flags[self.rank].view(MAX_ROWS, 2)[: part.shape[0], self.peer] = epoch
 
     def check_sent(self, mine: torch.Tensor, epoch: int) -> None:
-        """This rank's rows went to the peer's slot for it, and the peer's slot here was
-        emptied once read."""
+        """This rank's rows went to the peer's slot for it, and its signal too."""
         rows = mine.shape[0]
         assert torch.equal(self.rows(self.peer, self.rank, epoch, *mine.shape), mine)
-        assert is_empty(self.rows(self.rank, self.peer, epoch, *mine.shape)).all()
+        assert self.flags[self.peer].view(MAX_ROWS, 2)[:rows, self.rank].tolist() == [epoch] * rows
         assert self.peers.epochs[:rows].tolist() == [epoch] * rows
-
-
-def is_empty(values: torch.Tensor) -> torch.Tensor:
-    return (values == 0) & torch.signbit(values)
 
 
 def draws(seed: int):
@@ -92,6 +91,7 @@ def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int) ->
         epochs = (ranks.peers.epochs[:rows] + 1).tolist()
         for row, epoch in enumerate(epochs):  # the peer's call: each row at its own count
             ranks.rows(ranks.rank, ranks.peer, epoch, MAX_ROWS, width)[row].copy_(theirs[row])
+            ranks.flags[ranks.rank].view(MAX_ROWS, 2)[row, ranks.peer] = epoch
         parts = (mine, theirs) if rank == 0 else (theirs, mine)
         total = (parts[0].float() + parts[1].float()).to(DTYPE)
         if fused:
@@ -105,22 +105,22 @@ def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int) ->
         for row, epoch in enumerate(epochs):
             sent = ranks.rows(ranks.peer, ranks.rank, epoch, MAX_ROWS, width)[row]
             assert torch.equal(sent, mine[row])
-            assert is_empty(ranks.rows(ranks.rank, ranks.peer, epoch, MAX_ROWS, width)[row]).all()
         assert ranks.peers.epochs[:rows].tolist() == epochs
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_negative_zeros_are_sent_and_summed_as_positive_zeros(rank: int) -> None:
-    """A negative zero is what an empty slot holds: sent, it would never arrive."""
-    ranks = TwoRanks(rank)
-    mine = torch.tensor([[-0.0, 1.0, -0.0, 2.0]], dtype=DTYPE, device=DEVICE)
-    theirs = torch.tensor([[0.0, 3.0, 0.0, -2.0]], dtype=DTYPE, device=DEVICE)  # as sent
+def test_a_peer_already_at_its_next_call_is_not_waited_for(rank: int) -> None:
+    """The peer finished this call and signalled its next one: its rows for this call are
+    in the slot of this call's parity, and its newer signal lets this rank go on."""
+    draw, ranks = draws(10 + rank), TwoRanks(rank)
+    mine, theirs = draw(3, 16), draw(3, 16)
     ranks.peer_sends(theirs, 1)
+    ranks.flags[ranks.rank].view(MAX_ROWS, 2)[:3, ranks.peer] = 2  # its call 2 began
+    parts = (mine, theirs) if rank == 0 else (theirs, mine)
+    expected = (parts[0].float() + parts[1].float()).to(DTYPE)
     got = all_reduce_norm.all_reduce_rows(mine, ranks.peers)
-    assert got.tolist() == [[0.0, 4.0, 0.0, 0.0]]
-    assert not torch.signbit(got).any()
-    assert not torch.signbit(ranks.rows(ranks.peer, ranks.rank, 1, 1, 4)).any()
-    assert is_empty(ranks.rows(ranks.rank, ranks.peer, 1, 1, 4)).all()
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    ranks.check_sent(mine, 1)
 
 
 def test_refuses_what_does_not_fit() -> None:

@@ -3,24 +3,21 @@ has mapped, alone or with the residual add and the RMSNorm after it.
 
 In a decode step of a tensor-parallel model each row-parallel projection's output is summed
 over the ranks, added to the residual and normalised: an all-reduce launch then a norm
-launch, each costing a few microseconds beyond its bytes. Here each of a few programs takes
-rows in turn: first it writes its rank's part of each of its rows into every peer's buffer
-(stores over NVLink need no answer, where reading a peer's memory waits for one), then for
-each row it waits until every peer's part has arrived in its own buffer, sums the parts in
-rank order (so every rank computes the same bits) and either writes the sum or adds and
-normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does. A program waits only for
-rows that the same program on each peer sends before it waits for anything, and there are
-few enough programs (`MAX_PROGRAMS`) to all run at once beside other work.
+launch, each costing a few microseconds beyond its bytes. Here each program takes rows in
+turn (at most one program per multiprocessor, so all run at once and none waits for a row
+whose program on the peer cannot start) and, for each, writes its rank's part of the row
+into every peer's buffer (stores over NVLink need no answer, where
+reading a peer's memory waits for one), signals every peer, waits for every peer's signal,
+sums the parts in its own buffer in rank order (so every rank computes the same bits) and
+either writes the sum or adds and normalises the row as `bcg.kernels.rmsnorm.add_rms_norm`
+does.
 
-There are no signals apart from the data (the one-shot "Lamport" scheme): an empty slot
-holds negative zeros (`EMPTY`), a sender sends its negative zeros as positive ones, so a row
-has arrived once none of its elements is a negative zero. The receiver empties the slot once
-it has read it. Each rank's buffer has a slot per sender for each parity of a row's call
-count (`epochs`, the same on every rank as all ranks make the same calls), and a row has the
-same place in a slot whatever the width of the call: a peer writes a slot again two calls
-of that row later, after it has received this rank's part of the call between, which this
-rank sends in a later launch than the one that emptied the slot. No store waits for an
-answer and no fence waits for stores: a row costs one trip over NVLink.
+The signals are call counters (`epochs`, one a row on each rank, the same on every rank as
+all ranks make the same calls), so no reset is needed between calls and a CUDA graph can
+replay the launch. Each rank's buffer has a slot per sender for each parity of the counter,
+and a row has the same place in a slot whatever the width of the call: a peer writes it
+again only two calls of that row later, after this rank's signal of the call between, which
+it sends once it has read the row.
 
 A wait has no deadline: a peer that died or stopped launching leaves this rank spinning in
 the kernel, out of reach of NCCL's abort (a deadline on the GPU's timer was tried and did
@@ -35,16 +32,12 @@ import triton.language as tl
 
 from bcg.kernels._launch import (
     CachedLauncher,
+    multiprocessor_count,
     next_power_of_2,
     require_last_dim_contiguous,
 )
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
-EMPTY = -0.0  # what an empty slot holds: no sent element is a negative zero
-# Programs of one launch: all must run at once (each waits for rows that the same program on
-# each peer sends), which a grid of one program per row, or per multiprocessor, did not
-# always do (its GPU tests hung at 256 rows).
-MAX_PROGRAMS = 32
 
 
 def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
@@ -87,21 +80,25 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
 
 class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
-    `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per call
-    parity and sender), filled with `EMPTY` before the first call, and this rank's row call
-    counts."""
+    `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per counter
+    parity and sender) and of its `max_rows x world_size` int32 signals (zero before the
+    first call), and this rank's row counters."""
 
-    def __init__(self, data_addresses: list[int], rank: int, row_numel: int, max_rows: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
+                 row_numel: int, max_rows: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.rank, self.world_size = rank, len(data_addresses)
         self.row_numel, self.max_rows, self.dtype = row_numel, max_rows, dtype
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(flag_addresses, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
     @staticmethod
-    def region_numel(world_size: int, row_numel: int, max_rows: int) -> int:
-        """Elements of one rank's slots."""
-        return 2 * world_size * max_rows * row_numel
+    def region_bytes(world_size: int, row_numel: int, max_rows: int,
+                     dtype: torch.dtype) -> tuple[int, int]:
+        """(bytes of one rank's slots, bytes of its slots and the signals after them)."""
+        slots = 2 * world_size * max_rows * row_numel * dtype.itemsize
+        return slots, slots + max_rows * world_size * 4
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` (`[rows, N]`) fits: the buffers' dtype and device, at most `max_rows`
@@ -124,9 +121,12 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
          eps: float, peers: PeerRows, add_norm: bool) -> None:
     rows, width = x.shape
     block = next_power_of_2(width)
+    # At most a program per multiprocessor, each taking rows in turn: every program then runs
+    # at once, so none waits for a peer's row whose program on that peer cannot start.
+    programs = min(rows, multiprocessor_count(x.device))
     _launch(
-        (min(rows, MAX_PROGRAMS),),
-        (x, residual, norm_weight, out, peers.data_ptrs, peers.epochs),
+        (programs,),
+        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs),
         (eps, rows),
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
@@ -145,7 +145,7 @@ def _aligned(address, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rows"])
 def _all_reduce_rows_kernel(
-    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, epochs_ptr, eps, rows,
+    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps, rows,
     N: tl.constexpr,
     STRIDE_X: tl.constexpr,
     STRIDE_RES: tl.constexpr,
@@ -161,61 +161,49 @@ def _all_reduce_rows_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-        _send_row(x_ptr, data_ptrs, epochs_ptr, row, cols, mask, STRIDE_X, RANK, WORLD,
-                  ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK)
-    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-        _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, epochs_ptr,
+        _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
                     eps, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK, WORLD,
                     ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM, BLOCK)
 
 
 @triton.jit
-def _send_row(x_ptr, data_ptrs, epochs_ptr, row, cols, mask, STRIDE_X: tl.constexpr,
-              RANK: tl.constexpr, WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr,
-              SLOT_NUMEL: tl.constexpr, EPOCH_MASK: tl.constexpr):
-    """This rank's part of `row` into its slot in every peer's buffer."""
-    epoch = _next_epoch(epochs_ptr, row, EPOCH_MASK)
-    row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL + RANK * SLOT_NUMEL
-    x = _own_part(x_ptr, row, cols, mask, STRIDE_X)
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            peer_data = _aligned(tl.load(data_ptrs + peer), x_ptr.dtype.element_ty)
-            tl.store(peer_data + row_offset + cols, x, mask=mask)
-
-
-@triton.jit
-def _next_epoch(epochs_ptr, row, EPOCH_MASK: tl.constexpr):
-    """The call count of `row` in this call."""
-    return (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
-
-
-@triton.jit
-def _own_part(x_ptr, row, cols, mask, STRIDE_X: tl.constexpr):
-    """This rank's part of `row`, negative zeros made positive (else read as not yet sent)."""
-    x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
-    return tl.where(x == 0.0, tl.zeros_like(x), x)
-
-
-@triton.jit
-def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, epochs_ptr, eps,
+def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps,
                 row, cols, mask, N: tl.constexpr, STRIDE_X: tl.constexpr,
                 STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr, RANK: tl.constexpr,
                 WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
                 EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
-    epoch = _next_epoch(epochs_ptr, row, EPOCH_MASK)
+    epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     tl.store(epochs_ptr + row, epoch)
     row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL  # + sender x SLOT_NUMEL
-    x = _own_part(x_ptr, row, cols, mask, STRIDE_X)
+    x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            peer_data = _aligned(tl.load(data_ptrs + peer), dtype)
+            tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
+    tl.debug_barrier()  # the whole row stored before any peer hears of it
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer_flags + row * WORLD + RANK, epoch, sem="release", scope="sys")
+    own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
+    ahead = (epoch + 1) & EPOCH_MASK  # a peer may already have signalled its next call
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            signal = own_flags + row * WORLD + peer
+            seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+            while (seen != epoch) & (seen != ahead):
+                seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for sender in tl.static_range(WORLD):  # rank order: the same sum on every rank
         if sender == RANK:
             total += x.to(tl.float32)
         else:
-            slot = own_data + row_offset + sender * SLOT_NUMEL + cols
-            total += _arrived(slot, mask).to(tl.float32)
-            tl.store(slot, _empty_like(x), mask=mask)
+            # Past the caches: the slot held other values two calls ago.
+            total += tl.load(own_data + row_offset + sender * SLOT_NUMEL + cols, mask=mask,
+                             other=0.0, cache_modifier=".cv").to(tl.float32)
     out_ptrs = out_ptr + row * STRIDE_OUT + cols
     if ADD_NORM:
         residual_ptrs = residual_ptr + row * STRIDE_RES + cols
@@ -229,33 +217,6 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, epochs_ptr,
         tl.store(out_ptrs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _arrived(slot, mask):
-    """A peer's row in `slot`, read again (past the caches) until every element has come."""
-    part = tl.load(slot, mask=mask, other=0.0, volatile=True)
-    while tl.max(_is_empty(part).to(tl.int32), 0) > 0:
-        part = tl.load(slot, mask=mask, other=0.0, volatile=True)
-    return part
-
-
-@triton.jit
-def _is_empty(values):
-    """Which elements are negative zeros (EMPTY), by their bits."""
-    if values.dtype.primitive_bitwidth == 16:
-        return values.to(tl.int16, bitcast=True) == -32768
-    else:
-        return values.to(tl.int32, bitcast=True) == -2147483648
-
-
-@triton.jit
-def _empty_like(values):
-    """EMPTY in `values`' shape and dtype (a negative zero, by its bits)."""
-    if values.dtype.primitive_bitwidth == 16:
-        return tl.full(values.shape, -32768, tl.int16).to(values.dtype, bitcast=True)
-    else:
-        return tl.full(values.shape, -2147483648, tl.int32).to(values.dtype, bitcast=True)
 
 
 _launch = CachedLauncher(_all_reduce_rows_kernel)
