@@ -1,10 +1,18 @@
-"""Which row counts of the custom all-reduce finish on two GPUs (eager, 5 calls each), rows
-taken in rising order: python hang_probe.py loop|grid|nccl|nccl-grid (grid: one program per
-row; nccl: an NCCL all-reduce of the same rows after each, as tests/test_custom_all_reduce.py
-does)."""
+"""Which row counts of the custom all-reduce finish on two GPUs (eager, 5 calls each, rows
+in rising order). Run: python hang_probe.py MODE[+MODE...], modes:
+  grid    one program per row (else main's grid)
+  nccl    an NCCL all-reduce of the same rows after each call, as the tests do
+  late    rank 1 sleeps 20 ms before each call, so rank 0 waits in the kernel (the tests'
+          ranks draw their random inputs at different speeds)
+  random  random inputs drawn on the CPU, as the tests do
+  fused   the fused all-reduce + add + RMSNorm
+  fp32    float32 instead of bfloat16
+Session 28 found the tests hanging at 256 rows and this probe (grid, nccl, plain) not."""
 import sys
+import time
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import bcg.kernels.all_reduce_norm as kernel_module
@@ -12,27 +20,38 @@ from bcg.distributed.custom_all_reduce import use_custom_all_reduce
 from bcg.distributed.parallel_state import init_tensor_parallel, spawned_group_store
 from bcg.utils import free_port
 
-ROWS = [1, 32, 64, 100, 128, 132, 133, 160, 200, 256]
+ROWS = [1, 7, 64, 128, 132, 133, 200, 256]
 
 
-def main(rank, port, mode):
-    if mode.endswith("grid"):
+def main(rank, port, modes):
+    if "grid" in modes:
         kernel_module.multiprocessor_count = lambda device: 1 << 20
+    dtype = torch.float32 if "fp32" in modes else torch.bfloat16
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     init_tensor_parallel(2, "nccl", spawned_group_store(2, rank, port), rank, device)
-    custom = use_custom_all_reduce(True, torch.bfloat16, device)
+    custom = use_custom_all_reduce(True, dtype, device)
+    weight = torch.ones(4096, dtype=dtype, device=device)
     for rows in ROWS:
-        x = torch.full((rows, 4096), float(rank + 1), dtype=torch.bfloat16, device=device)
-        for _ in range(5):
-            y = custom(x)
-        if mode.startswith("nccl"):
-            torch.distributed.all_reduce(x.clone())
-        torch.cuda.synchronize()
-        ok = bool((y == 3).all())
+        for call in range(5):
+            if "random" in modes:
+                generator = torch.Generator().manual_seed(rows * 10 + call + rank)
+                x = torch.randn(rows, 4096, generator=generator).to(device, dtype)
+            else:
+                x = torch.full((rows, 4096), float(rank + 1), dtype=dtype, device=device)
+            if "late" in modes and rank == 1:
+                time.sleep(0.02)
+            if "fused" in modes:
+                y, _ = custom.add_rms_norm(x, torch.zeros_like(x), weight, 1e-6)
+            else:
+                y = custom(x)
+            if "nccl" in modes:
+                dist.all_reduce(x.clone())
+            torch.cuda.synchronize()
         if rank == 0:
-            print(f"{mode} rows {rows} done, sums right: {ok}", flush=True)
+            print(f"{'+'.join(modes)} rows {rows} done, finite: {bool(y.isfinite().all())}",
+                  flush=True)
 
 
 if __name__ == "__main__":
-    mp.spawn(main, args=(free_port(), sys.argv[1]), nprocs=2, join=True)
+    mp.spawn(main, args=(free_port(), sys.argv[1].split("+")), nprocs=2, join=True)
