@@ -2,8 +2,11 @@
 in rising order). Run: python hang_probe.py MODE[+MODE...], modes:
   grid    one program per row (else main's grid)
   nccl    an NCCL all-reduce of the same rows after each call, as the tests do
-  late    rank 1 sleeps 20 ms before each call, so rank 0 waits in the kernel (the tests'
-          ranks draw their random inputs at different speeds)
+  late    rank 1 sleeps 20 ms before making its inputs, so rank 0 waits in the kernel
+          while rank 1 allocates and copies (the tests' ranks draw their random inputs at
+          different speeds; a driver call that must wait for the peer's busy GPU would then
+          never return)
+  free    with late: rank 1 also returns its cached blocks (cudaFree) before its call
   random  random inputs drawn on the CPU, as the tests do
   fused   the fused all-reduce + add + RMSNorm
   fp32    float32 instead of bfloat16
@@ -34,13 +37,15 @@ def main(rank, port, modes):
     weight = torch.ones(4096, dtype=dtype, device=device)
     for rows in ROWS:
         for call in range(5):
+            if "late" in modes and rank == 1:
+                time.sleep(0.02)
             if "random" in modes:
                 generator = torch.Generator().manual_seed(rows * 10 + call + rank)
                 x = torch.randn(rows, 4096, generator=generator).to(device, dtype)
             else:
                 x = torch.full((rows, 4096), float(rank + 1), dtype=dtype, device=device)
-            if "late" in modes and rank == 1:
-                time.sleep(0.02)
+            if "free" in modes and rank == 1:
+                torch.cuda.empty_cache()
             if "fused" in modes:
                 y, _ = custom.add_rms_norm(x, torch.zeros_like(x), weight, 1e-6)
             else:
