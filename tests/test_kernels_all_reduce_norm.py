@@ -1,9 +1,12 @@
 """The one-launch all-reduce of rows, alone and with the residual add + RMSNorm, on one
 process, a peer rank played by hand: its buffers are plain tensors, its rows already
 received and its signal already sent (Triton's interpreter on the CPU, fp32; bf16 on a GPU).
-Two GPUs run it for real in tests/test_custom_all_reduce.py and tests/test_symm_mem.py."""
+On the CPU also both ranks at once, as two processes sharing their buffers. Two GPUs run it
+for real in tests/test_custom_all_reduce.py and tests/test_symm_mem.py."""
 
 from __future__ import annotations
+
+import multiprocessing
 
 import pytest
 import torch
@@ -121,6 +124,59 @@ def test_a_peer_already_at_its_next_call_is_not_waited_for(rank: int) -> None:
     got = all_reduce_norm.all_reduce_rows(mine, ranks.peers)
     torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
     ranks.check_sent(mine, 1)
+
+
+# (rows, width, fused) of the two-process test: more rows than the interpreter's programs
+# (each program takes several), counts and widths changing, both slots of each row used.
+CALLS = [(1, 48, False), (7, 48, False), (MAX_ROWS, 48, False), (MAX_ROWS, 32, True),
+         (3, 16, False), (MAX_ROWS, 48, True), (5, 40, False)]
+
+
+def rank_calls(rank: int, data: list[torch.Tensor], flags: list[torch.Tensor],
+               results: multiprocessing.Queue) -> None:
+    """One rank's CALLS over the shared buffers; each result checked against the sum of both
+    ranks' parts (the peer's drawn here from its own seed)."""
+    try:
+        peers = all_reduce_norm.PeerRows([d.data_ptr() for d in data],
+                                         [f.data_ptr() for f in flags], rank, ROW_NUMEL,
+                                         MAX_ROWS, DTYPE, torch.device(DEVICE))
+        for number, (rows, width, fused) in enumerate(CALLS):
+            parts = [draws(100 * number + r)(rows, width) for r in (0, 1)]
+            total = (parts[0].float() + parts[1].float()).to(DTYPE)
+            if fused:
+                residual, weight = draws(number)(rows, width), draws(-1 - number)(width)
+                expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
+                got, _ = all_reduce_norm.all_reduce_add_rms_norm(parts[rank], residual,
+                                                                 weight, EPS, peers)
+            else:
+                expected, got = total, all_reduce_norm.all_reduce_rows(parts[rank], peers)
+            torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE,
+                                       msg=f"rank {rank}, call {number}")
+        results.put((rank, None))
+    except BaseException as error:  # noqa: BLE001 (the parent reports it)
+        results.put((rank, repr(error)))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="two processes under Triton's interpreter; "
+                    "two GPUs run tests/test_custom_all_reduce.py")
+def test_two_ranks_at_once_sum_alike_over_calls_of_many_rows() -> None:
+    """Both ranks for real: two forked processes share their buffers (at the same addresses)
+    and call the kernel at once, each waiting for the other's rows."""
+    data = [torch.zeros(2 * 2 * SLOT_NUMEL, dtype=DTYPE).share_memory_() for _ in range(2)]
+    flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32).share_memory_() for _ in range(2)]
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    ranks = [context.Process(target=rank_calls, args=(rank, data, flags, results))
+             for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        errors = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    assert errors == {0: None, 1: None}
 
 
 def test_refuses_what_does_not_fit() -> None:
