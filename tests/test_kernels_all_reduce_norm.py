@@ -7,6 +7,7 @@ for real in tests/test_custom_all_reduce.py and tests/test_symm_mem.py."""
 from __future__ import annotations
 
 import multiprocessing
+import queue
 
 import pytest
 import torch
@@ -126,6 +127,7 @@ def test_a_peer_already_at_its_next_call_is_not_waited_for(rank: int) -> None:
     ranks.check_sent(mine, 1)
 
 
+RANK_SECONDS = 120  # a rank's calls take a second or two under the interpreter
 # (rows, width, fused) of the two-process test: more rows than the interpreter's programs
 # (each program takes several), counts and widths changing, both slots of each row used.
 CALLS = [(1, 48, False), (7, 48, False), (MAX_ROWS, 48, False), (MAX_ROWS, 32, True),
@@ -166,17 +168,23 @@ def test_two_ranks_at_once_sum_alike_over_calls_of_many_rows() -> None:
     flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32).share_memory_() for _ in range(2)]
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    ranks = [context.Process(target=rank_calls, args=(rank, data, flags, results))
+    ranks = [context.Process(target=rank_calls, args=(rank, data, flags, results), daemon=True)
              for rank in (0, 1)]
     for process in ranks:
         process.start()
-    try:
-        errors = dict(results.get(timeout=120) for _ in ranks)
+    finished: set[int] = set()
+    try:  # a failed rank leaves its peer waiting: its error ends the test at once
+        while len(finished) < len(ranks):
+            rank, error = results.get(timeout=RANK_SECONDS)
+            assert error is None, f"rank {rank}: {error}"
+            finished.add(rank)
+    except queue.Empty:
+        pytest.fail(f"rank(s) {sorted({0, 1} - finished)} did not finish within "
+                    f"{RANK_SECONDS} s")
     finally:
         for process in ranks:
             process.kill()
             process.join()
-    assert errors == {0: None, 1: None}
 
 
 def test_refuses_what_does_not_fit() -> None:

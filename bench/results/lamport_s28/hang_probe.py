@@ -10,7 +10,10 @@ in rising order). Run: python hang_probe.py MODE[+MODE...], modes:
   random  random inputs drawn on the CPU, as the tests do
   fused   the fused all-reduce + add + RMSNorm
   fp32    float32 instead of bfloat16
-Session 28 found the tests hanging at 256 rows and this probe (grid, nccl, plain) not."""
+Each line says a row count's 5 calls finished and whether the last one's sums were right;
+after a hang nothing more is printed. Session 28 ran an earlier version (plain, grid, and an
+NCCL all-reduce once per row count; calls.log) with no hang, where the tests hung at 256
+rows."""
 import sys
 import time
 
@@ -24,6 +27,7 @@ from bcg.distributed.parallel_state import init_tensor_parallel, spawned_group_s
 from bcg.utils import free_port
 
 ROWS = [1, 7, 64, 128, 132, 133, 200, 256]
+MODES = {"grid", "nccl", "late", "late0", "free", "random", "fused", "fp32"}
 
 
 def main(rank, port, modes):
@@ -37,26 +41,43 @@ def main(rank, port, modes):
     weight = torch.ones(4096, dtype=dtype, device=device)
     for rows in ROWS:
         for call in range(5):
-            if "late" in modes and rank == 1:
+            late = ("late" in modes and rank == 1) or ("late0" in modes and rank == 0)
+            if late:
                 time.sleep(0.02)
             if "random" in modes:
                 generator = torch.Generator().manual_seed(rows * 10 + call + rank)
                 x = torch.randn(rows, 4096, generator=generator).to(device, dtype)
             else:
                 x = torch.full((rows, 4096), float(rank + 1), dtype=dtype, device=device)
-            if "free" in modes and rank == 1:
+            if late and "free" in modes:
                 torch.cuda.empty_cache()
+            residual = torch.zeros_like(x)
             if "fused" in modes:
-                y, _ = custom.add_rms_norm(x, torch.zeros_like(x), weight, 1e-6)
+                y, _ = custom.add_rms_norm(x, residual, weight, 1e-6)
+                y = residual  # the sum, added to a zero residual
             else:
                 y = custom(x)
+            expected = x.clone()
             if "nccl" in modes:
-                dist.all_reduce(x.clone())
+                dist.all_reduce(expected)
+            else:  # the peer's part, drawn alike
+                expected = expected + peer_part(x, rows, call, rank, modes, device, dtype)
             torch.cuda.synchronize()
+        right = bool(torch.equal(y, expected.to(dtype)))
         if rank == 0:
-            print(f"{'+'.join(modes)} rows {rows} done, finite: {bool(y.isfinite().all())}",
-                  flush=True)
+            print(f"{'+'.join(modes)} rows {rows} done, sums right: {right}", flush=True)
+
+
+def peer_part(x, rows, call, rank, modes, device, dtype):
+    peer = 1 - rank
+    if "random" in modes:
+        generator = torch.Generator().manual_seed(rows * 10 + call + peer)
+        return torch.randn(rows, 4096, generator=generator).to(device, dtype)
+    return torch.full_like(x, float(peer + 1))
 
 
 if __name__ == "__main__":
-    mp.spawn(main, args=(free_port(), sys.argv[1].split("+")), nprocs=2, join=True)
+    chosen = sys.argv[1].split("+")
+    if not set(chosen) <= MODES:
+        raise SystemExit(f"unknown modes {sorted(set(chosen) - MODES)}; known: {sorted(MODES)}")
+    mp.spawn(main, args=(free_port(), chosen), nprocs=2, join=True)
