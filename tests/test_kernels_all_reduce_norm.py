@@ -22,14 +22,25 @@ MAX_ROWS, ROW_NUMEL = 8, 48
 SLOT_NUMEL = MAX_ROWS * ROW_NUMEL
 
 
-class TwoRanks:
-    """Rank `rank`'s view of two ranks' slots and signals, rank `1 - rank` simulated."""
+Buffers = tuple[list[torch.Tensor], list[torch.Tensor]]  # each rank's slots, its signals
 
-    def __init__(self, rank: int) -> None:
-        self.data = [torch.zeros(2 * 2 * SLOT_NUMEL, dtype=DTYPE, device=DEVICE)
-                     for _ in range(2)]
-        self.flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32, device=DEVICE)
-                      for _ in range(2)]
+
+def two_ranks_buffers(shared: bool = False) -> Buffers:
+    """Both ranks' zeroed slots and signals (`shared`: in shared memory, for forked ranks)."""
+    data = [torch.zeros(2 * 2 * SLOT_NUMEL, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    if shared:
+        for tensor in data + flags:
+            tensor.share_memory_()
+    return data, flags
+
+
+class TwoRanks:
+    """Rank `rank`'s view of two ranks' slots and signals (`buffers`, new ones if None);
+    rank `1 - rank` simulated, or another process's own view of the same shared buffers."""
+
+    def __init__(self, rank: int, buffers: Buffers | None = None) -> None:
+        self.data, self.flags = buffers or two_ranks_buffers()
         self.rank, self.peer = rank, 1 - rank
         self.peers = all_reduce_norm.PeerRows(
             [d.data_ptr() for d in self.data], [f.data_ptr() for f in self.flags], rank,
@@ -54,6 +65,20 @@ class TwoRanks:
         assert torch.equal(self.rows(self.peer, self.rank, epoch, *mine.shape), mine)
         assert self.flags[self.peer].view(MAX_ROWS, 2)[:rows, self.rank].tolist() == [epoch] * rows
         assert self.peers.epochs[:rows].tolist() == [epoch] * rows
+
+
+def call_and_expected(peers: all_reduce_norm.PeerRows,
+                      parts: tuple[torch.Tensor, torch.Tensor], fused: bool,
+                      draw) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's call with its part of `parts` (both ranks', in rank order), plain or
+    fused (a residual and norm weight from `draw`), and what it must return."""
+    total = (parts[0].float() + parts[1].float()).to(DTYPE)
+    mine = parts[peers.rank]
+    if not fused:
+        return all_reduce_norm.all_reduce_rows(mine, peers), total
+    residual, weight = draw(*mine.shape), draw(mine.shape[1])
+    expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
+    return all_reduce_norm.all_reduce_add_rms_norm(mine, residual, weight, EPS, peers)[0], expected
 
 
 def draws(seed: int):
@@ -97,14 +122,7 @@ def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int) ->
             ranks.rows(ranks.rank, ranks.peer, epoch, MAX_ROWS, width)[row].copy_(theirs[row])
             ranks.flags[ranks.rank].view(MAX_ROWS, 2)[row, ranks.peer] = epoch
         parts = (mine, theirs) if rank == 0 else (theirs, mine)
-        total = (parts[0].float() + parts[1].float()).to(DTYPE)
-        if fused:
-            residual, weight = draw(rows, width), draw(width)
-            expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
-            got, _ = all_reduce_norm.all_reduce_add_rms_norm(mine, residual, weight, EPS,
-                                                             ranks.peers)
-        else:
-            expected, got = total, all_reduce_norm.all_reduce_rows(mine, ranks.peers)
+        got, expected = call_and_expected(ranks.peers, parts, fused, draw)
         torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
         for row, epoch in enumerate(epochs):
             sent = ranks.rows(ranks.peer, ranks.rank, epoch, MAX_ROWS, width)[row]
@@ -134,24 +152,14 @@ CALLS = [(1, 48, False), (7, 48, False), (MAX_ROWS, 48, False), (MAX_ROWS, 32, T
          (3, 16, False), (MAX_ROWS, 48, True), (5, 40, False)]
 
 
-def rank_calls(rank: int, data: list[torch.Tensor], flags: list[torch.Tensor],
-               results: multiprocessing.Queue) -> None:
+def rank_calls(rank: int, buffers: Buffers, results: multiprocessing.Queue) -> None:
     """One rank's CALLS over the shared buffers; each result checked against the sum of both
     ranks' parts (the peer's drawn here from its own seed)."""
     try:
-        peers = all_reduce_norm.PeerRows([d.data_ptr() for d in data],
-                                         [f.data_ptr() for f in flags], rank, ROW_NUMEL,
-                                         MAX_ROWS, DTYPE, torch.device(DEVICE))
+        peers = TwoRanks(rank, buffers).peers
         for number, (rows, width, fused) in enumerate(CALLS):
-            parts = [draws(100 * number + r)(rows, width) for r in (0, 1)]
-            total = (parts[0].float() + parts[1].float()).to(DTYPE)
-            if fused:
-                residual, weight = draws(number)(rows, width), draws(-1 - number)(width)
-                expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
-                got, _ = all_reduce_norm.all_reduce_add_rms_norm(parts[rank], residual,
-                                                                 weight, EPS, peers)
-            else:
-                expected, got = total, all_reduce_norm.all_reduce_rows(parts[rank], peers)
+            parts = tuple(draws(100 * number + r)(rows, width) for r in (0, 1))
+            got, expected = call_and_expected(peers, parts, fused, draws(number))
             torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE,
                                        msg=f"rank {rank}, call {number}")
         results.put((rank, None))
@@ -164,11 +172,10 @@ def rank_calls(rank: int, data: list[torch.Tensor], flags: list[torch.Tensor],
 def test_two_ranks_at_once_sum_alike_over_calls_of_many_rows() -> None:
     """Both ranks for real: two forked processes share their buffers (at the same addresses)
     and call the kernel at once, each waiting for the other's rows."""
-    data = [torch.zeros(2 * 2 * SLOT_NUMEL, dtype=DTYPE).share_memory_() for _ in range(2)]
-    flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32).share_memory_() for _ in range(2)]
+    buffers = two_ranks_buffers(shared=True)
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    ranks = [context.Process(target=rank_calls, args=(rank, data, flags, results), daemon=True)
+    ranks = [context.Process(target=rank_calls, args=(rank, buffers, results), daemon=True)
              for rank in (0, 1)]
     for process in ranks:
         process.start()
