@@ -174,7 +174,6 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
                 EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
-    tl.store(epochs_ptr + row, epoch)
     row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL  # + sender x SLOT_NUMEL
     x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
     for peer in tl.static_range(WORLD):
@@ -195,6 +194,9 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
             while (seen != epoch) & (seen != ahead):
                 seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
+    # Stored only once every warp has read it: each warp loads the count for itself, and one
+    # that read it after the store would take the next call's slot and wait for good.
+    tl.store(epochs_ptr + row, epoch)
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for sender in tl.static_range(WORLD):  # rank order: the same sum on every rank
