@@ -1,0 +1,20 @@
+#!/bin/bash
+# For the next session (two GPUs, about 6 minutes): release_by_signals.diff (apply it first:
+# git apply bench/results/hang_s29/release_by_signals.diff). A failed worker's rank 0 ends
+# its own waits by overwriting its signals with RELEASED through a copy from pinned memory
+# on a stream made beforehand (no kernel to load while one spins: lazy loading may wait for
+# the spinning kernel, the likely hang of release_waits_on_fix.diff's fill_), and the wait
+# reads no second word (that one's extra atomic slowed the step to 0.647 x tp1).
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+run() {  # name timeout command...
+    local name=$1 limit=$2; shift 2
+    timeout -k 5 $limit "$@" > $OUT/$name.log 2>&1; echo "$name rc $?"; tail -1 $OUT/$name.log
+}
+run kernels 60 python -m pytest -q -rA -p no:cacheprovider tests/test_kernels_all_reduce_norm.py
+run custom 90 python -m pytest -q -p no:cacheprovider tests/test_custom_all_reduce.py
+run symm 90 python -m pytest -q -p no:cacheprovider tests/test_symm_mem.py
+run multi 240 python -m pytest -q -rA -p no:cacheprovider tests/test_multi_gpu.py -k "dying or tiny-qwen3-tp2 or second_engine"
+run tp 200 python bench/bench_tp.py --configs tp1 tp2-custom --parts decode --repeats 1
+cp bench/results/bench_tp.json $OUT/bench_tp.json; grep "decode step at batch 1" $OUT/tp.log
