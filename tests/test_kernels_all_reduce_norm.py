@@ -110,9 +110,14 @@ def test_matches_the_sum_then_add_rms_norm_over_calls(rank: int, rows: int, widt
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int) -> None:
+def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int,
+                                                                  monkeypatch) -> None:
     """The plain all-reduce over calls of other row counts and widths (each row keeps its
-    place and its own call count), the fused one among them."""
+    place and its own call count), the fused one among them. Two programs, each taking
+    rows in turn, as on a GPU past its multiprocessor count: there a program's warps reach
+    its next row apart, which once made a late warp read the row's count already raised and
+    wait for good (session 29)."""
+    monkeypatch.setattr(all_reduce_norm, "multiprocessor_count", lambda device: 2)
     draw, ranks = draws(rank), TwoRanks(rank)
     for rows, width, fused in ((2, 48, False), (5, 16, False), (2, 48, True), (1, 8, False),
                                (5, 48, False)):
