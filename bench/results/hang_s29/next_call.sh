@@ -1,6 +1,6 @@
 #!/bin/bash
-# For the next session (two GPUs, about 6 minutes): release_by_signals.diff (apply it first:
-# git apply bench/results/hang_s29/release_by_signals.diff). A failed worker's rank 0 ends
+# For the next session (two GPUs, about 6 minutes): release_and_shared_norm.diff (apply it
+# first: git apply bench/results/hang_s29/release_and_shared_norm.diff). A failed worker's rank 0 ends
 # its own waits by overwriting its signals with RELEASED through a copy from pinned memory
 # on a stream made beforehand (no kernel to load while one spins: lazy loading may wait for
 # the spinning kernel, the likely hang of release_waits_on_fix.diff's fill_), and the wait
