@@ -2,13 +2,7 @@
 # Session 29, call 3 (two GPUs): the kernel with the count fix and the release word
 # (release_waits merged): its two-GPU tests, a worker dying mid-step under the flag, the
 # tiny split models, then qwen3-8b decode tp1 against tp2 with the flag.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name --format=csv,noheader
-run() {  # name timeout command...
-    local name=$1 limit=$2; shift 2
-    timeout -k 5 $limit "$@" > $OUT/$name.log 2>&1; echo "$name rc $?"; tail -1 $OUT/$name.log
-}
+source bench/results/hang_s29/common.sh
 run kernels 60 python -m pytest -q -p no:cacheprovider tests/test_kernels_all_reduce_norm.py
 run custom 90 python -m pytest -q -p no:cacheprovider tests/test_custom_all_reduce.py
 run multi 200 python -m pytest -q -rA -p no:cacheprovider tests/test_multi_gpu.py -k "dying or tiny-qwen3-tp2 or second_engine"

@@ -5,13 +5,7 @@
 # on a stream made beforehand (no kernel to load while one spins: lazy loading may wait for
 # the spinning kernel, the likely hang of release_waits_on_fix.diff's fill_), and the wait
 # reads no second word (that one's extra atomic slowed the step to 0.647 x tp1).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name --format=csv,noheader
-run() {  # name timeout command...
-    local name=$1 limit=$2; shift 2
-    timeout -k 5 $limit "$@" > $OUT/$name.log 2>&1; echo "$name rc $?"; tail -1 $OUT/$name.log
-}
+source bench/results/hang_s29/common.sh
 run kernels 60 python -m pytest -q -rA -p no:cacheprovider tests/test_kernels_all_reduce_norm.py
 run custom 90 python -m pytest -q -p no:cacheprovider tests/test_custom_all_reduce.py
 run symm 90 python -m pytest -q -p no:cacheprovider tests/test_symm_mem.py
