@@ -13,6 +13,7 @@ run pf_tp1 90 python bench/bench_tp.py --configs tp1 --parts decode --repeats 1
 grep -E "^ *tp1 +(1|8|64) " $OUT/pf_tp1.log | head -3
 for setting in off 16,rows 16,head off; do
     if [ $setting = off ]; then unset BCG_AR_PREFETCH; else export BCG_AR_PREFETCH=$setting; fi
-    run pf_$setting 100 python bench/bench_tp.py --configs tp2-custom --parts decode --repeats 1
-    grep -E "^ *tp2-custom +(1|8|64) " $OUT/pf_$setting.log | head -3
+    name=pf_${setting/,/_}  # no commas in names that come back from the device
+    run $name 100 python bench/bench_tp.py --configs tp2-custom --parts decode --repeats 1
+    grep -E "^ *tp2-custom +(1|8|64) " $OUT/$name.log | head -3
 done
