@@ -2,12 +2,7 @@
 # Session 29, call 2 (two GPUs): main's kernel with the epoch store moved after the wait's
 # barrier (the race: a warp that loaded a row's count after thread 0 stored it took the next
 # call's parity, so it waited for good), then the one-phase Lamport kernel with the same fix.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-run() {  # name timeout command...
-    local name=$1 limit=$2; shift 2
-    timeout -k 5 $limit "$@" > $OUT/$name.log 2>&1; echo "$name rc $?"; tail -1 $OUT/$name.log
-}
+source bench/results/hang_s29/common.sh  # (as run, call 2 carried its own copy)
 checks() {  # prefix
     export PYTHONPATH=/tmp/site:$PWD
     run $1_probe 60 python bench/results/lamport_s28/hang_probe.py fused+late+free+random+nccl

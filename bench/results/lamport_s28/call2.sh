@@ -1,13 +1,7 @@
 #!/bin/bash
 # Session 28, call 2 (two GPUs): the Lamport-style custom all-reduce kernel: its tests, its
 # latency beside NCCL's, rank 0's kernels at tp2-custom, and qwen3-8b decode tp1/tp2/tp2-custom.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpus.txt
-run() {  # name timeout command...
-    local name=$1 limit=$2; shift 2
-    timeout $limit "$@" > $OUT/$name.log 2>&1; echo "$name rc $?"; tail -2 $OUT/$name.log
-}
+source bench/results/hang_s29/common.sh  # (as run, this call carried its own copy)
 run kernels 120 python -m pytest -q -rA tests/test_kernels_all_reduce_norm.py
 run custom 150 python -m pytest -q -rA tests/test_custom_all_reduce.py -p no:faulthandler
 run symm 150 python -m pytest -q -rA tests/test_symm_mem.py -p no:faulthandler

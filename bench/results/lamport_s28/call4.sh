@@ -1,13 +1,7 @@
 #!/bin/bash
 # Session 28, call 4 (two GPUs): the two-phase, 32-program Lamport kernel: its tests, the tiny
 # models with the flag, qwen3-8b decode tp1 / tp2-custom, and its latency beside NCCL's.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpus.txt
-run() {  # name timeout command...
-    local name=$1 limit=$2; shift 2
-    timeout $limit "$@" > $OUT/$name.log 2>&1; echo "$name rc $?"; tail -1 $OUT/$name.log
-}
+source bench/results/hang_s29/common.sh  # (as run, this call carried its own copy)
 run kernels 60 python -m pytest -q -rA tests/test_kernels_all_reduce_norm.py
 run custom 90 python -m pytest -q -rA tests/test_custom_all_reduce.py -p no:faulthandler
 run symm 90 python -m pytest -q -rA tests/test_symm_mem.py -p no:faulthandler
