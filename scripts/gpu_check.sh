@@ -5,6 +5,8 @@
 # and "tests models_hf sampling" runs only the test files whose names contain those words.
 # With several GPUs visible the test files run in parallel lanes, one GPU each
 # (GPU_CHECK_LANES=N sets the count), and the several-GPU files after them on every GPU.
+# GPU_CHECK_FILES=single (or multi) runs only the one-GPU (or the several-GPU) test files,
+# for device calls too short for both.
 # Wheels missing on that machine travel in .whl/ (carry it) and are installed to /tmp/site,
 # which later calls on the same (warm) machine reuse without carrying them again.
 set -uo pipefail
@@ -58,6 +60,12 @@ run_tests() {
   for file in "$@"; do
     if [[ "$MULTI_GPU_FILES" == *" $file "* ]]; then multi+=("$file"); else single+=("$file"); fi
   done
+  case "${GPU_CHECK_FILES:-all}" in
+    single) multi=() ;;
+    multi) single=() ;;
+    all) ;;
+    *) echo "gpu_check: GPU_CHECK_FILES must be single, multi or all" >&2; return 1 ;;
+  esac
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     IFS=, read -ra devices <<<"$CUDA_VISIBLE_DEVICES"
   else
