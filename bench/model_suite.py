@@ -23,7 +23,9 @@ spawns the other ranks, which follow its steps, so every timed step is an
 
 Engines run one at a time, each closed and its memory handed back before the next starts
 (bench_offline's `on_engine`). A bench names its configurations (`Setup`) and calls
-`bench_main`; rows of an earlier run of other configurations or parts are kept.
+`bench_main`; rows of an earlier run of other configurations or parts are kept. Each row
+carries its `run` (when its bench command started): a ratio of two configurations' rows of
+different runs says so, since machines differ by a few percent from call to call.
 """
 
 from __future__ import annotations
@@ -305,10 +307,12 @@ def bench_main(name: str, doc: str, setups: Mapping[str, Setup],
     hbm_gbs = common.hbm_bandwidth_gbs()
     release_cuda_memory()
     rows, failed = [], []
+    run = time.strftime("%Y-%m-%d %H:%M:%S")
     for config, part in itertools.product(configs, args.parts):
         try:
-            rows += measure_setup(config, setups[config], [part], hbm_gbs,
-                                  args.offline_requests, args.repeats, floors)
+            rows += [{**row, "run": run} for row in measure_setup(
+                config, setups[config], [part], hbm_gbs, args.offline_requests, args.repeats,
+                floors)]
         except Exception:  # the other parts still run; the exit status says this one failed
             traceback.print_exc()
             failed.append(f"{config} {part}")
@@ -345,24 +349,39 @@ def rows_of(rows: list[dict], part: str) -> list[dict]:
     return [row for row in rows if row["part"] == part]
 
 
-def value(rows: list[dict], config: str, part: str, field: str, **match) -> float | None:
-    """`field` of `config`'s row of `part` matching `match`, or None if it was not measured."""
+def find_row(rows: list[dict], config: str, part: str, **match) -> dict | None:
+    """`config`'s row of `part` matching `match`, or None if it was not measured."""
     for row in rows:
         if (row["config"], row["part"]) == (config, part) and all(
                 row.get(k) == v for k, v in match.items()):
-            return row.get(field)
+            return row
     return None
+
+
+def value(rows: list[dict], config: str, part: str, field: str, **match) -> float | None:
+    """`field` of `config`'s row of `part` matching `match`, or None if it was not measured."""
+    row = find_row(rows, config, part, **match)
+    return None if row is None else row.get(field)
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def config_ratio(rows: list[dict], numerator: str, denominator: str, part: str, field: str,
-                 **match) -> float | None:
-    """`field` of configuration `numerator` over that of `denominator` (e.g. tp2 / tp1)."""
-    return ratio(value(rows, numerator, part, field, **match),
-                 value(rows, denominator, part, field, **match))
+def print_config_ratio(label: str, rows: list[dict], numerator: str, denominator: str,
+                       part: str, field: str, target: str, **match) -> None:
+    """`field` of configuration `numerator` over that of `denominator` (e.g. tp2 / tp1)
+    against `target`, saying so when the two rows are not of one run."""
+    top, bottom = (find_row(rows, config, part, **match) for config in (numerator, denominator))
+    if top is None or bottom is None:
+        return print_target(label, None, target)
+    got = ratio(top.get(field), bottom.get(field))
+    runs = {top.get("run"), bottom.get("run")}
+    if len(runs) == 1 and None not in runs:
+        return print_target(label, got, target)
+    stamps = " and ".join(sorted(run or "unstamped" for run in runs))
+    print_target(label, got, f"{target}; rows of different runs ({stamps}): compare within "
+                 "one run")
 
 
 def print_tables(rows: list[dict], floor: str = "floor") -> None:

@@ -181,8 +181,12 @@ def test_defaults_follow_the_visible_gpus_and_larger_configs_are_refused(monkeyp
 
 
 def fake_rows(configs) -> list[dict]:
-    """Rows shaped as measure_setup's: prefill 2x slower in eager, piecewise 10% slower;
-    tp2 steps at 0.6x tp1's, its output rate 1.6x."""
+    """Rows shaped as bench_main's, of one run: prefill 2x slower in eager, piecewise 10%
+    slower; tp2 steps at 0.6x tp1's, its output rate 1.6x."""
+    return [{**row, "run": "2026-11-27 03:00:00"} for row in unstamped_fake_rows(configs)]
+
+
+def unstamped_fake_rows(configs) -> list[dict]:
     rows = []
     for config in configs:
         scale = 0.6 if config.startswith(("tp2", "ep2")) else 1.0
@@ -216,3 +220,19 @@ def test_reports_print_the_targets(capsys, bench, expected):
     assert "breakable ≤ piecewise: every row" in out
     for line in expected:
         assert line in out
+
+
+def test_a_ratio_of_rows_of_different_runs_says_so(capsys):
+    """A row kept from an earlier run (another call, maybe another machine of the kind) is
+    no fair denominator for today's: the target line names both runs."""
+    module = importlib.import_module("bench.bench_tp")
+    rows = fake_rows(["tp1", "tp2-custom"])
+    rows += [{**row, "run": "2026-11-25 10:00:00"} for row in unstamped_fake_rows(["tp2"])]
+    rows += unstamped_fake_rows(["tp2-symm-mem"])
+    module.report(rows)
+    out = capsys.readouterr().out
+    assert "tp2-custom / tp1 decode step at batch 1: 0.600 (target ≤ 0.62)\n" in out
+    assert ("tp2 / tp1 decode step at batch 1: 0.600 (target ≤ 0.62; rows of different runs "
+            "(2026-11-25 10:00:00 and 2026-11-27 03:00:00): compare within one run)") in out
+    assert ("tp2-symm-mem / tp1 output tok/s: 1.667 (target ≥ 1.5; rows of different runs "
+            "(2026-11-27 03:00:00 and unstamped): compare within one run)") in out
