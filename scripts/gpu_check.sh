@@ -11,6 +11,11 @@
 # which later calls on the same (warm) machine reuse without carrying them again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+GPU_CHECK_FILES=${GPU_CHECK_FILES:-all}
+case "$GPU_CHECK_FILES" in
+  single | multi | all) ;;
+  *) echo "gpu_check: GPU_CHECK_FILES must be single, multi or all" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1
 install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -60,11 +65,9 @@ run_tests() {
   for file in "$@"; do
     if [[ "$MULTI_GPU_FILES" == *" $file "* ]]; then multi+=("$file"); else single+=("$file"); fi
   done
-  case "${GPU_CHECK_FILES:-all}" in
+  case "$GPU_CHECK_FILES" in
     single) multi=() ;;
     multi) single=() ;;
-    all) ;;
-    *) echo "gpu_check: GPU_CHECK_FILES must be single, multi or all" >&2; return 1 ;;
   esac
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     IFS=, read -ra devices <<<"$CUDA_VISIBLE_DEVICES"

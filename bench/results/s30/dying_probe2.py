@@ -2,10 +2,10 @@
 Session 30's probe found, on two H200s: under NCCL the step raises the named error in 2.3 s
 but the abort of the group (torch's `_abort_process_group()`, every group) never returns, so
 close() waits for its lock for good; under the custom all-reduce (release_and_shared_norm_v2
-applied) the step does not come back within 55 s.
+applied) the step was not back when the probe's 55 s limit (start-up included) ended it.
 
 Usage: python dying_probe2.py MODE ABORT
-  MODE   nccl | custom (custom needs release_and_shared_norm_v2.diff applied)
+  MODE   nccl | custom (run with tp_failure_v3.diff applied, as next_call.sh checks)
   ABORT  all (as the launcher does: every group, the gloo CPU group too) | world (the NCCL
          WORLD group only, through `_abort_process_group(WORLD)`) | backend (only WORLD's
          NCCL backend's abort(), torch's bookkeeping left as it is)
@@ -54,9 +54,8 @@ def own_signals_after_release() -> None:
     signals = custom.rows.own_signals if custom is not None else None
     if signals is None or READER is None:
         return say("no own signals to read")
-    host = torch.empty(signals.shape, dtype=signals.dtype, pin_memory=True)
     with torch.cuda.stream(READER):
-        host.copy_(signals, non_blocking=True)
+        HOST_SIGNALS.copy_(signals, non_blocking=True)
         done = torch.cuda.Event()
         done.record(READER)
     deadline = time.monotonic() + 5
@@ -64,8 +63,8 @@ def own_signals_after_release() -> None:
         time.sleep(0.01)
     if not done.query():
         return say("reading own signals did not finish in 5 s")
-    say(f"own signals: max {int(host.max())}, released {int((host == 1 << 30).sum())} "
-        f"of {host.numel()}")
+    say(f"own signals: max {int(HOST_SIGNALS.max())}, released "
+        f"{int((HOST_SIGNALS == 1 << 30).sum())} of {HOST_SIGNALS.numel()}")
 
 
 record = launcher.Workers._record
@@ -81,6 +80,7 @@ def record_and_look(self, rank: int, message: str) -> None:
 
 
 launcher.Workers._abort_group = abort_group
+launcher.ABORT_WAIT_SECONDS = 10  # close() gives up on the abort within the join below
 launcher.Workers._record = record_and_look
 rank_loop.spawned_worker_main = worker_dying_in_a_step
 extra = {"enable_custom_all_reduce": True} if MODE == "custom" else {}
@@ -88,6 +88,10 @@ path = tempfile.mkdtemp()
 save_tiny_model("qwen3", path)
 llm = LLM(path, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256, **extra)
 READER = torch.cuda.Stream(priority=-1) if torch.cuda.is_available() else None
+# Pinned now: allocating page-locked memory may wait for the device, so not while it spins.
+_custom = tensor_parallel().custom_all_reduce
+HOST_SIGNALS = None if _custom is None or READER is None else torch.empty(
+    _custom.rows.own_signals.shape, dtype=torch.int32, pin_memory=True)
 say("engine ready; generate")
 stepper = threading.Thread(target=lambda: run_step(), daemon=True)
 

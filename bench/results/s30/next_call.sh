@@ -7,10 +7,10 @@
 grep -q "_leave_group" bcg/distributed/launcher.py || { echo "apply tp_failure_v3.diff first"; exit 1; }
 source bench/results/hang_s29/common.sh
 for mode in nccl custom; do
-    run probe_$mode 70 python bench/results/s30/dying_probe2.py $mode all
+    run probe_$mode 90 python bench/results/s30/dying_probe2.py $mode all
     grep PROBE $OUT/probe_$mode.log
 done
-run dying 150 python -m pytest -v -p no:cacheprovider --timeout=70 --timeout-method=thread tests/test_multi_gpu.py -k dying
+run dying 220 python -m pytest -v -p no:cacheprovider --timeout=100 --timeout-method=thread tests/test_multi_gpu.py -k dying
 grep -E "PASSED|FAILED|ERROR|Timeout" $OUT/dying.log | cut -c1-160
 PYTEST="python -m pytest -q -p no:cacheprovider --timeout=80 --timeout-method=thread"
 run kernels 60 $PYTEST tests/test_kernels_all_reduce_norm.py
