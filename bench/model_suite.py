@@ -373,13 +373,15 @@ def print_config_ratio(label: str, rows: list[dict], numerator: str, denominator
     """`field` of configuration `numerator` over that of `denominator` (e.g. tp2 / tp1)
     against `target`, saying so when the two rows are not of one run."""
     top, bottom = (find_row(rows, config, part, **match) for config in (numerator, denominator))
-    got = None if top is None or bottom is None else ratio(top.get(field), bottom.get(field))
-    runs = set() if got is None else {top.get("run"), bottom.get("run")}
+    if top is None or bottom is None:
+        print_target(label, None, target)
+        return
+    runs = {top.get("run"), bottom.get("run")}
     if None in runs:
         target += "; rows not stamped with their run: compare within one run"
     elif len(runs) > 1:
         target += f"; rows of different runs ({' and '.join(sorted(runs))}): compare within one run"
-    print_target(label, got, target)
+    print_target(label, ratio(top.get(field), bottom.get(field)), target)
 
 
 def print_tables(rows: list[dict], floor: str = "floor") -> None:
