@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import threading
 
 import pytest
 import torch
@@ -197,6 +198,57 @@ def test_two_ranks_at_once_sum_alike_over_calls_of_many_rows() -> None:
         for process in ranks:
             process.kill()
             process.join()
+
+
+class Running:
+    """Whether the calls launched so far were still running at some moment: on a GPU an
+    event recorded after them; on the CPU they run in this thread, so a flag set after."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event() if DEVICE.type == "cuda" else None
+        self.returned = False
+
+    def launched(self) -> None:
+        if self.event is not None:
+            self.event.record()
+        else:
+            self.returned = True
+
+    def still(self) -> bool:
+        return not self.event.query() if self.event is not None else not self.returned
+
+
+def finish() -> None:
+    """Wait for this device's kernels (on a GPU without holding the GIL, so a timer's thread
+    can act meanwhile)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def later(action, seen: list, running: Running) -> threading.Timer:
+    """In 0.5 s: note whether the calls were still running, then `action()`."""
+    timer = threading.Timer(0.5, lambda: (seen.append(running.still()), action()))
+    timer.start()
+    return timer
+
+
+def test_released_waits_end_without_the_peer_for_good() -> None:
+    """A peer that never sends again (it died): the host releases this rank's waits from
+    another thread while the kernel waits, the call returns, and later calls at once."""
+    draw, ranks = draws(7), TwoRanks(0)
+    mine = draw(3, 16)
+    ranks.peer_sends(draw(3, 16), 1)
+    all_reduce_norm.all_reduce_rows(mine, ranks.peers)  # call 1, the peer's last; compiled
+    finish()
+    running, seen = Running(), []
+    timer = later(ranks.peers.release_waits, seen, running)
+    all_reduce_norm.all_reduce_rows(mine, ranks.peers)  # call 2 waits for the release
+    running.launched()
+    all_reduce_norm.all_reduce_rows(mine, ranks.peers)  # call 3 does not wait
+    finish()
+    timer.join()
+    assert seen == [True], "call 2 ended before the release: it did not wait"
+    assert ranks.peers.released.item() == 1
 
 
 def test_refuses_what_does_not_fit() -> None:

@@ -25,18 +25,23 @@ weights were drawn per rank)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from bcg.distributed import launcher, parallel_state, rank_loop
+from bcg.distributed.launcher import TensorParallelError
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from tests.hf_tiny import save_tiny_model
 from tests.numerics import relative_error
 from tests.split_runs import PROMPTS, split_runs
+from tests.test_tp_engine import FAILURE_SECONDS, worker_dying_in_a_step
 
 pytestmark = pytest.mark.gpu
 
@@ -188,3 +193,59 @@ def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path,
             llm.close()
         tokens.append([output.outputs[0].token_ids for output in outputs])
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("all_reduce", [{}, CUSTOM], ids=["nccl", "custom"])
+def test_a_worker_dying_in_a_step_is_named(tmp_path, all_reduce):
+    """Rank 0 waits for the dead worker's part, in NCCL until its launcher aborts the group
+    or in the custom all-reduce's kernel until the launcher releases the wait: the step then
+    raises, naming the rank, instead of hanging; and closing the engine ends the abort (it
+    returns once rank 0's graphs are gone) instead of giving up on it. Each case in a process
+    of its own: the dead worker's GPU memory stays held while its peer's process lives."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    save_tiny_model("qwen3", tmp_path)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=engine_with_a_dying_worker,
+                              args=(str(tmp_path), all_reduce, results))
+    process.start()
+    try:
+        outcome = results.get(timeout=FAILURE_SECONDS * 3)
+    finally:
+        process.join(launcher.JOIN_SECONDS)
+        if process.is_alive():
+            process.kill()
+    assert "raised" not in outcome, outcome.get("raised")
+    assert outcome["custom all-reduce"] == bool(all_reduce)
+    assert "rank 1 failed: its process exited with code 3" in outcome["error"]
+    assert outcome["step seconds"] < FAILURE_SECONDS
+    assert outcome["close seconds"] < launcher.ABORT_WAIT_SECONDS
+    assert outcome["abandoned"] is None, "close() gave up on the abort"
+
+
+def engine_with_a_dying_worker(folder: str, all_reduce: dict, results) -> None:
+    """A tp 2 engine whose worker dies in its first step: what the step raised, how long it
+    and close() took, and why the group was abandoned (None if it was not); or what raised
+    out of place."""
+    try:
+        results.put(_run_with_a_dying_worker(folder, all_reduce))
+    except BaseException as error:  # noqa: BLE001 (the test reports it)
+        results.put({"raised": repr(error)})
+
+
+def _run_with_a_dying_worker(folder: str, all_reduce: dict) -> dict:
+    rank_loop.spawned_worker_main = worker_dying_in_a_step
+    llm = LLM(folder, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256, **all_reduce)
+    outcome = {"custom all-reduce": tensor_parallel().custom_all_reduce is not None,
+               "error": "the step did not raise"}
+    start = time.monotonic()
+    try:
+        llm.generate([list(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8),
+                     use_tqdm=False)
+    except TensorParallelError as raised:
+        outcome["error"] = str(raised)
+    outcome["step seconds"], closing = time.monotonic() - start, time.monotonic()
+    llm.close()
+    return {**outcome, "close seconds": time.monotonic() - closing,
+            "abandoned": parallel_state._abandoned}

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -19,7 +20,11 @@ import bcg.runner.model_runner as model_runner
 from bcg.config import EngineConfig
 from bcg.distributed import launcher, parallel_state, rank_loop
 from bcg.distributed.launcher import TensorParallelError, Workers, check_tensor_parallel_size
-from bcg.distributed.parallel_state import TensorParallel, spawned_group_store
+from bcg.distributed.parallel_state import (
+    TensorParallel,
+    set_custom_all_reduce,
+    spawned_group_store,
+)
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
@@ -337,11 +342,125 @@ def test_the_failure_abort_warns_without_torchs_api_and_not_after_close(monkeypa
     monkeypatch.delattr(c10d, "_abort_process_group", raising=False)
     workers = Workers(EngineConfig(device="cpu"))
     workers._abort_after_failure()
+    workers._abort.join(FAILURE_SECONDS)
     assert "no torch.distributed _abort_process_group" in caplog.text
     caplog.clear()
     workers.close()
     workers._abort_after_failure()
     assert caplog.text == ""
+
+
+class GraphsHoldingTheAbort:
+    """Rank 0's runner and NCCL's abort as they meet after a worker died: the abort returns
+    only once the runner's graphs (which captured collectives) are destroyed, or never."""
+
+    def __init__(self, monkeypatch, abort_returns: bool = True) -> None:
+        self.events: list[str] = []
+        self.graphs_gone = threading.Event()
+        self.abort_returns = abort_returns
+        self.workers = Workers(EngineConfig(device="cpu"))
+        self.workers.size, self.workers.nccl, self.workers.runner = 2, True, self
+        self.workers._num_threads = torch.get_num_threads()
+        monkeypatch.setattr(Workers, "_abort_group", lambda workers: self.abort())
+        monkeypatch.setattr(launcher, "destroy_tensor_parallel",
+                            lambda: self.events.append("group destroyed"))
+
+    def abort(self) -> None:
+        self.events.append("abort begun")
+        if self.abort_returns:
+            self.graphs_gone.wait(FAILURE_SECONDS)
+            self.events.append("abort returned")
+        else:
+            threading.Event().wait()  # NCCL's, for good (a daemon thread)
+
+    def close(self) -> None:  # the runner's
+        started = self.workers._abort is not None
+        self.events.append("graphs destroyed" + (", the abort started" if started else ""))
+        self.graphs_gone.set()
+
+    def failed(self) -> Workers:
+        self.workers.failure = (1, "its process exited with code 3")
+        return self.workers
+
+
+@pytest.mark.parametrize("timer_first", [True, False], ids=["timer-then-close", "close"])
+def test_close_starts_the_failure_abort_then_destroys_the_graphs_then_waits(monkeypatch,
+                                                                             timer_first):
+    """NCCL's abort returns only once the graphs that captured its collectives are gone, and
+    destroying them waits for a collective stuck on the dead peer until the abort begins:
+    close() must begin the abort (or find the timer's), destroy the graphs, then wait for it
+    (on two GPUs it waited for the abort first, for good). One abort, whoever starts it."""
+    held = GraphsHoldingTheAbort(monkeypatch)
+    workers = held.failed()
+    if timer_first:
+        workers._abort_after_failure()
+    workers.close()
+    workers._abort_after_failure()  # a timer firing after close(): nothing more
+    assert held.events.count("abort begun") == 1
+    assert [e for e in held.events if e != "abort begun"] == [
+        "graphs destroyed, the abort started", "abort returned", "group destroyed"]
+
+
+def test_a_clean_close_destroys_the_group_and_a_late_timer_aborts_nothing(monkeypatch):
+    held = GraphsHoldingTheAbort(monkeypatch)
+    held.workers.close()
+    held.workers._abort_after_failure()
+    assert held.events == ["graphs destroyed", "group destroyed"]
+
+
+def test_a_worker_failing_as_close_stops_the_workers_gets_its_group_aborted(monkeypatch):
+    """A worker that fails after close() found every rank in step (its report came while
+    the workers were told to stop): the group is aborted, not destroyed with a dead peer."""
+    held = GraphsHoldingTheAbort(monkeypatch)
+
+    class FailingAsItStops:
+        def send_shutdown(self) -> None:
+            held.failed()
+
+    held.step_channel = FailingAsItStops()
+    held.workers.close()
+    assert held.events[-2:] == ["abort returned", "group destroyed"]
+
+
+def test_an_abort_that_never_returns_leaves_the_group_and_refuses_a_new_one(monkeypatch,
+                                                                             caplog):
+    monkeypatch.setattr(launcher, "ABORT_WAIT_SECONDS", 0.1)
+    monkeypatch.setattr(parallel_state, "_abandoned", None)
+    monkeypatch.setattr(parallel_state, "_current", parallel_state.TensorParallel())
+    held = GraphsHoldingTheAbort(monkeypatch, abort_returns=False)
+    start = time.monotonic()
+    held.failed().close()
+    assert time.monotonic() - start < FAILURE_SECONDS
+    assert "group destroyed" not in held.events
+    assert "did not return within 0.1 s after a rank failed" in caplog.text
+    refused = "cannot join another tensor-parallel group.*start a new process"
+    with pytest.raises(RuntimeError, match=refused):
+        parallel_state.init_tensor_parallel(2, "gloo")
+    with pytest.raises(RuntimeError, match=refused):  # before any worker is spawned
+        Workers(EngineConfig(device="cpu", tensor_parallel_size=2))
+
+
+def test_a_failed_worker_releases_rank_0s_waits_in_the_custom_all_reduce():
+    """Rank 0 may wait in the custom all-reduce's kernel for a worker that died: recording
+    the failure ends those waits (else rank 0's step would never finish)."""
+    released = []
+
+    class Waiting:
+        def release_waits(self) -> None:
+            released.append(True)
+
+        def release(self) -> None:
+            pass
+
+    workers = Workers(EngineConfig(device="cpu"))
+    set_custom_all_reduce(Waiting())
+    try:
+        workers._record(1, "its process exited with code 1")
+    finally:
+        set_custom_all_reduce(None)
+        workers.close()
+    assert released == [True]
+    assert "rank 1 failed: its process exited" in str(workers.error())
 
 
 @pytest.mark.parametrize("preset,size,expert_parallel", [

@@ -11,7 +11,8 @@ ones (prefill chunks), other dtypes and traced code (`torch.compile`) stay on th
 backend.
 
 Off by default (`--enable-custom-all-reduce`): its waits have no timeout, so a rank whose
-peer died mid-step waits in the kernel for good, out of reach of NCCL's abort (kill it).
+peer died mid-step waits in the kernel until the host releases them (rank 0 does when a
+worker it spawned fails: `launcher.Workers`; under torchrun the launcher ends every rank).
 Where the kernel cannot run (ranks on several hosts, no peer access between the GPUs, no
 Triton), the reason is logged and the group's backend does every all-reduce.
 """
@@ -82,6 +83,12 @@ class PeerAllReduce:
         residual)`, in one launch."""
         self._check_open()
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.rows)
+
+    def release_waits(self) -> None:
+        """End this rank's waits in the kernel for good (a peer died mid-step): its steps
+        then finish, with garbage, instead of waiting forever."""
+        if self.rows is not None:
+            self.rows.release_waits()
 
     def release(self) -> None:
         """Drop the buffers once no kernel of this rank may still touch them (a peer's last

@@ -36,11 +36,14 @@ from bcg.distributed import rank_loop
 from bcg.distributed.parallel_state import (
     SPAWNED_START_TIMEOUT,
     TensorParallel,
+    abandon_tensor_parallel,
     destroy_tensor_parallel,
     launched_rank,
     local_rank,
+    refuse_if_abandoned,
     release_spawned_group,
     spawned_group_store,
+    tensor_parallel,
 )
 from bcg.models.config import ModelConfig
 from bcg.timing import startup_step
@@ -54,6 +57,9 @@ T = TypeVar("T")
 
 FAILURE_REPORT_SECONDS = 3.0  # how long a failed collective waits for a worker's report
 ABORT_AFTER_SECONDS = 2.0  # a failed worker's NCCL peers are aborted after this
+# NCCL's abort returns only once every CUDA graph that captured a collective of the group is
+# gone; close() destroys rank 0's, then waits this long for it.
+ABORT_WAIT_SECONDS = 30.0
 JOIN_SECONDS = 30.0  # a worker's clean exit at shutdown (it frees its GPU)
 # A worker's program: the caller's import path, then its entry point and arguments on stdin.
 WORKER_PROGRAM = ("import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
@@ -92,6 +98,8 @@ class Workers:
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
+        if self.size > 1:
+            refuse_if_abandoned()  # before any worker starts
         self.spawned = self.size > 1 and launched_rank() is None
         self.processes: list[subprocess.Popen] = []
         self.runner: ModelRunner | None = None  # rank 0's, once built: closed before the group
@@ -100,6 +108,7 @@ class Workers:
         self._failed = threading.Event()
         self._closing = False
         self._group_lock = threading.Lock()  # the failure timer's abort vs close()
+        self._abort: threading.Thread | None = None  # NCCL's abort of the group, once begun
         self._reports: list[Connection] = []  # each worker's reports, by rank - 1
         self._watcher: threading.Thread | None = None
         self.nccl = config.torch_device.type == "cuda"
@@ -203,13 +212,56 @@ class Workers:
             timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_after_failure)
             timer.daemon = True
             timer.start()
+        self._release_custom_all_reduce_waits()
+
+    @staticmethod
+    def _release_custom_all_reduce_waits() -> None:
+        """Rank 0 may wait in the custom all-reduce's kernel for the failed rank's part: end
+        those waits."""
+        custom = tensor_parallel().custom_all_reduce
+        if custom is not None:
+            custom.release_waits()
 
     def _abort_after_failure(self) -> None:
-        """The timer's abort: not once close() has begun (it aborts or destroys the group
-        itself, and the two must not run at once)."""
+        """The timer's abort: not once close() has begun (it aborts the group itself if a
+        worker failed, and destroys it otherwise)."""
         with self._group_lock:
             if not self._closing:
-                self._abort_group()
+                self._start_abort()
+
+    def _start_abort(self) -> threading.Thread:
+        """Abort the group on a thread of its own, once (under `_group_lock`). NCCL's abort
+        ends the collectives that wait for the dead peer at once, so the step comes back, but
+        returns only when every CUDA graph that captured a collective of the group is
+        destroyed: close() destroys rank 0's after starting it, then waits for it."""
+        if self._abort is None:
+            self._abort = threading.Thread(target=self._abort_group, name="bcg-tp-abort",
+                                           daemon=True)
+            self._abort.start()
+        return self._abort
+
+    def _abort_if_out_of_step(self, in_step: bool) -> threading.Thread | None:
+        """An NCCL group whose peer failed: its abort, begun now if the timer has not begun
+        it (destroying the group would wait for the dead peer, and so would destroying rank
+        0's graphs while a collective of theirs waits). None: the group is to be destroyed."""
+        if self.size == 1 or not self.nccl or (in_step and self.failure is None):
+            return None
+        with self._group_lock:
+            return self._start_abort()
+
+    def _leave_group(self, abort: threading.Thread | None) -> None:
+        """Destroy the group, or once its `abort` returns let it go; if the abort does not
+        return in time, leave the group as it is."""
+        if abort is not None:
+            abort.join(ABORT_WAIT_SECONDS)
+        if abort is None or not abort.is_alive():
+            destroy_tensor_parallel()
+            return
+        reason = (f"torch's abort of the NCCL group did not return within "
+                  f"{ABORT_WAIT_SECONDS:g} s after a rank failed")
+        logger.error("%s: the group is left as it is, and this process cannot start another "
+                     "tensor-parallel engine (start a new process)", reason)
+        abandon_tensor_parallel(reason)
 
     def _abort_group(self) -> None:
         abort = getattr(c10d, "_abort_process_group", None)
@@ -273,12 +325,11 @@ class Workers:
                 channel.send_shutdown()
             except RuntimeError:  # a worker is gone
                 in_step = False
+        abort = self._abort_if_out_of_step(in_step)
         if self.runner is not None:
             self.runner.close()  # its graphs captured collectives of the group
         if self.size > 1:
-            if not in_step and self.nccl:  # destroying an NCCL group whose peer died can hang
-                self._abort_group()
-            destroy_tensor_parallel()
+            self._leave_group(abort)
         for process in self.processes:
             _end(process, JOIN_SECONDS if in_step else 0)
         if self._watcher is not None:

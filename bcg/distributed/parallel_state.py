@@ -35,6 +35,8 @@ class CustomAllReduce(Protocol):
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def release_waits(self) -> None: ...
+
     def release(self) -> None: ...
 
 
@@ -116,6 +118,7 @@ class TensorParallel:
 
 
 _current = TensorParallel()
+_abandoned: str | None = None  # why this process may not join a group again
 
 
 def tensor_parallel() -> TensorParallel:
@@ -180,6 +183,7 @@ def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = Non
     if size == 1:
         _current = TensorParallel()
         return _current
+    refuse_if_abandoned()
     if not dist.is_initialized():
         options: dict[str, Any] = {"init_method": "env://"}
         if store is not None:
@@ -197,7 +201,21 @@ def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = Non
                          f"{dist.get_world_size()} ranks (WORLD_SIZE): start one process per rank")
     cpu_group = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
     _current = TensorParallel(dist.get_rank(), size, dist.group.WORLD, cpu_group)
+    _connect_collectives(_current, device)
     return _current
+
+
+def _connect_collectives(group: TensorParallel, device: torch.device | None) -> None:
+    """Run each collective a step uses once: NCCL connects a collective's peers at its first
+    call, and a peer dying while the host waits in that setup inside a step would hang it."""
+    on = device if device is not None and device.type == "cuda" else torch.device("cpu")
+    probe = torch.zeros(group.size, device=on)
+    group.broadcast(probe)
+    dist.all_reduce(probe, group=group.group)
+    group.all_gather_rows(probe)
+    group.all_to_all(probe, [1] * group.size, [1] * group.size)
+    if probe.is_cuda:
+        torch.cuda.synchronize(probe.device)
 
 
 def _forget_failed_init() -> None:
@@ -229,4 +247,19 @@ def destroy_tensor_parallel() -> None:
     set_custom_all_reduce(None)
     if dist.is_initialized():
         dist.destroy_process_group()
+    _current = TensorParallel()
+
+
+def refuse_if_abandoned() -> None:
+    """Raise if this process left a group it could not abort (`abandon_tensor_parallel`)."""
+    if _abandoned is not None:
+        raise RuntimeError(f"this process cannot join another tensor-parallel group: "
+                           f"{_abandoned}; start a new process")
+
+
+def abandon_tensor_parallel(reason: str) -> None:
+    """Forget the group without touching it (its abort did not return: any call into it may
+    wait for good); this process refuses to join another one."""
+    global _current, _abandoned
+    _abandoned = reason
     _current = TensorParallel()

@@ -19,9 +19,12 @@ and a row has the same place in a slot whatever the width of the call: a peer wr
 again only two calls of that row later, after this rank's signal of the call between, which
 it sends once it has read the row.
 
-A wait has no deadline: a peer that died or stopped launching leaves this rank spinning in
-the kernel, out of reach of NCCL's abort (a deadline on the GPU's timer was tried and did
-not work: README, Tensor parallelism).
+A wait has no deadline (one on the GPU's timer was tried and did not work: README, Tensor
+parallelism); instead the host can end a rank's waits for good (`release_waits`, when a
+peer died) by setting a flag in its pinned memory, which a wait reads every `RELEASE_POLL`
+spins. Only the CPU writes the flag, with no CUDA call: a copy to the device would queue
+behind the spinning kernel (it did, in an engine's step), and the GPU reads host memory
+directly. A wait that is answered at once never reads it.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from bcg.kernels._launch import (
     next_power_of_2,
     require_last_dim_contiguous,
 )
+from bcg.kernels.rmsnorm import add_rms_norm_row
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
+RELEASE_POLL = 1024  # spins between reads of the host's release flag (a read crosses PCIe)
 
 
 def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
@@ -82,16 +87,25 @@ class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
     `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per counter
     parity and sender) and of its `max_rows x world_size` int32 signals (zero before the
-    first call), and this rank's row counters."""
+    first call), this rank's row counters, and the flag in pinned memory that ends its waits
+    (`flag_ptrs` holds its address after the ranks' signals)."""
 
     def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
                  row_numel: int, max_rows: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.rank, self.world_size = rank, len(data_addresses)
         self.row_numel, self.max_rows, self.dtype = row_numel, max_rows, dtype
+        self.released = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor(flag_addresses, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(flag_addresses + [self.released.data_ptr()],
+                                      dtype=torch.int64, device=device)
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
+
+    def release_waits(self) -> None:
+        """End every wait of this rank's kernels, now and in later calls (a peer died
+        mid-step): the results are garbage from then on. Safe from any thread while a kernel
+        waits: it writes host memory only."""
+        self.released.fill_(1)
 
     @staticmethod
     def region_bytes(world_size: int, row_numel: int, max_rows: int,
@@ -131,7 +145,8 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
          "ROW_NUMEL": peers.row_numel, "SLOT_NUMEL": peers.row_numel * peers.max_rows,
-         "EPOCH_MASK": EPOCH_MASK, "ADD_NORM": add_norm, "BLOCK": block},
+         "EPOCH_MASK": EPOCH_MASK, "RELEASE_POLL": RELEASE_POLL, "ADD_NORM": add_norm,
+         "BLOCK": block},
         num_warps=min(16, max(1, block // 256)),
     )
 
@@ -155,6 +170,7 @@ def _all_reduce_rows_kernel(
     ROW_NUMEL: tl.constexpr,
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
+    RELEASE_POLL: tl.constexpr,
     ADD_NORM: tl.constexpr,  # else write the sum
     BLOCK: tl.constexpr,
 ):
@@ -163,7 +179,7 @@ def _all_reduce_rows_kernel(
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
                     eps, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK, WORLD,
-                    ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, ADD_NORM, BLOCK)
+                    ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, RELEASE_POLL, ADD_NORM, BLOCK)
 
 
 @triton.jit
@@ -171,7 +187,8 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
                 row, cols, mask, N: tl.constexpr, STRIDE_X: tl.constexpr,
                 STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr, RANK: tl.constexpr,
                 WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
-                EPOCH_MASK: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK: tl.constexpr):
+                EPOCH_MASK: tl.constexpr, RELEASE_POLL: tl.constexpr, ADD_NORM: tl.constexpr,
+                BLOCK: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL  # + sender x SLOT_NUMEL
@@ -186,13 +203,18 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
             peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
             tl.atomic_xchg(peer_flags + row * WORLD + RANK, epoch, sem="release", scope="sys")
     own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
+    released_flag = tl.load(flag_ptrs + WORLD).to(tl.pointer_type(tl.int32))
     ahead = (epoch + 1) & EPOCH_MASK  # a peer may already have signalled its next call
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             signal = own_flags + row * WORLD + peer
             seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
-            while (seen != epoch) & (seen != ahead):
+            spins, released = 0, 0
+            while (seen != epoch) & (seen != ahead) & (released == 0):
                 seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+                spins += 1
+                released = tl.load(released_flag, mask=spins % RELEASE_POLL == 0, other=0,
+                                   volatile=True)
     tl.debug_barrier()
     # Stored only once every warp has read it: each warp loads the count for itself, and one
     # that read it after the store would take the next call's slot and wait for good.
@@ -207,16 +229,9 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
             total += tl.load(own_data + row_offset + sender * SLOT_NUMEL + cols, mask=mask,
                              other=0.0, cache_modifier=".cv").to(tl.float32)
     out_ptrs = out_ptr + row * STRIDE_OUT + cols
-    if ADD_NORM:
-        residual_ptrs = residual_ptr + row * STRIDE_RES + cols
-        summed = total.to(dtype).to(tl.float32)  # rounded, as the all-reduce's output would be
-        hidden = (summed + tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        tl.store(residual_ptrs, hidden, mask=mask)
-        hidden32 = hidden.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(hidden32 * hidden32, 0) / N + eps)
-        normed = (hidden32 * inv_rms).to(dtype).to(tl.float32)
-        weight = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    if ADD_NORM:  # the sum rounded first, as the all-reduce's output would be
+        add_rms_norm_row(total.to(dtype), residual_ptr + row * STRIDE_RES + cols, norm_w_ptr,
+                         out_ptrs, cols, mask, eps, N, True)
     else:
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -138,10 +138,20 @@ def _rms_norm_kernel(
     head = row % HEADS
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
-    x_ptrs = x_ptr + token * STRIDE_X_TOK + head * STRIDE_X_HEAD + cols
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + token * STRIDE_X_TOK + head * STRIDE_X_HEAD + cols, mask=mask,
+                other=0.0)
+    res_ptrs = residual_ptr + token * STRIDE_RES_TOK + head * STRIDE_RES_HEAD + cols
+    out_ptrs = out_ptr + token * STRIDE_OUT_TOK + head * STRIDE_OUT_HEAD + cols
+    add_rms_norm_row(x, res_ptrs, weight_ptr, out_ptrs, cols, mask, eps, HIDDEN, HAS_RESIDUAL)
+
+
+@triton.jit
+def add_rms_norm_row(x, res_ptrs, weight_ptr, out_ptrs, cols, mask, eps, HIDDEN: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    """One row: with `HAS_RESIDUAL`, `x + residual` (rounded to x's dtype) written back
+    to the residual first; then the row over its root mean square, rounded to x's dtype,
+    times the weight, written to `out_ptrs`. Kernels that end in a norm share it."""
     if HAS_RESIDUAL:
-        res_ptrs = residual_ptr + token * STRIDE_RES_TOK + head * STRIDE_RES_HEAD + cols
         x = (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(
             x.dtype
         )
@@ -150,8 +160,7 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / HIDDEN + eps)
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + token * STRIDE_OUT_TOK + head * STRIDE_OUT_HEAD + cols
-    tl.store(out_ptrs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, (normed * weight).to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)

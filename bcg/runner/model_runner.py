@@ -16,6 +16,7 @@ writes them into the step's input ids there.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from array import array
@@ -423,7 +424,10 @@ class ModelRunner:
         return max(0, self._gpu_budget_left(config) - activation_bytes)
 
     def _gpu_budget_left(self, config: EngineConfig) -> int:
-        """The gpu_memory_utilization share of the GPU minus what is in use now."""
+        """The gpu_memory_utilization share of the GPU minus what is in use now (a closed
+        engine's blocks are handed back first: unreachable ones may wait for the collector)."""
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total * config.gpu_memory_utilization) - (total - free)
 
