@@ -26,6 +26,8 @@ weights were drawn per rank)."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.queues
+import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +40,10 @@ from bcg.distributed.launcher import TensorParallelError
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
+from tests.dying_worker import FAILURE_SECONDS, worker_dying_in_a_step
 from tests.hf_tiny import save_tiny_model
 from tests.numerics import relative_error
 from tests.split_runs import PROMPTS, split_runs
-from tests.test_tp_engine import FAILURE_SECONDS, worker_dying_in_a_step
 
 pytestmark = pytest.mark.gpu
 
@@ -211,7 +213,7 @@ def test_a_worker_dying_in_a_step_is_named(tmp_path, all_reduce):
                               args=(str(tmp_path), all_reduce, results))
     process.start()
     try:
-        outcome = results.get(timeout=FAILURE_SECONDS * 3)
+        outcome = outcome_of(process, results)
     finally:
         process.join(launcher.JOIN_SECONDS)
         if process.is_alive():
@@ -224,7 +226,20 @@ def test_a_worker_dying_in_a_step_is_named(tmp_path, all_reduce):
     assert outcome["abandoned"] is None, "close() gave up on the abort"
 
 
-def engine_with_a_dying_worker(folder: str, all_reduce: dict, results) -> None:
+def outcome_of(process: multiprocessing.Process, results: multiprocessing.queues.Queue) -> dict:
+    """What the engine's process put in `results`; a failure naming its exit code if it
+    ended (or ran out of time) without putting anything."""
+    deadline = time.monotonic() + FAILURE_SECONDS * 3
+    while results.empty() and process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        return results.get(timeout=5)
+    except queue.Empty:
+        pytest.fail(f"the engine's process gave no outcome (exit code {process.exitcode})")
+
+
+def engine_with_a_dying_worker(folder: str, all_reduce: dict,
+                               results: multiprocessing.queues.Queue) -> None:
     """A tp 2 engine whose worker dies in its first step: what the step raised, how long it
     and close() took, and why the group was abandoned (None if it was not); or what raised
     out of place."""

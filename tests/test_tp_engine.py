@@ -28,6 +28,7 @@ from bcg.distributed.parallel_state import (
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
+from tests.dying_worker import FAILURE_SECONDS, worker_dying_in_a_step
 from tests.hf_tiny import VOCAB, save_tiny_model
 from tests.server_process import free_port, running_server, wait_until_healthy
 
@@ -35,7 +36,6 @@ PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5,
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3)
 TOLERANCE = 1e-5
 ENGINE_ARGS = dict(device="cpu", kv_cache_tokens=1024, max_model_len=256)
-FAILURE_SECONDS = 60  # an error must come this fast, well before any timeout
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -256,14 +256,6 @@ def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     assert all(p.poll() is not None for p in llm.engine._workers.processes)  # all ended
 
 
-def worker_dying_in_a_step(*args):
-    def run_plan(self, plan, score_prompt=None):
-        os._exit(3)
-
-    model_runner.ModelRunner.run_plan = run_plan
-    rank_loop.spawned_worker_main(*args)
-
-
 def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
     """As on GPUs, where the aborted NCCL collectives of a dead worker's peers return
     garbage instead of raising: rank 0's collectives here wait for the failure, then return
@@ -354,10 +346,11 @@ class GraphsHoldingTheAbort:
     """Rank 0's runner and NCCL's abort as they meet after a worker died: the abort returns
     only once the runner's graphs (which captured collectives) are destroyed, or never."""
 
-    def __init__(self, monkeypatch, abort_returns: bool = True) -> None:
+    def __init__(self, monkeypatch, abort_returns: bool = True, abort_raises: bool = False
+                 ) -> None:
         self.events: list[str] = []
         self.graphs_gone = threading.Event()
-        self.abort_returns = abort_returns
+        self.abort_returns, self.abort_raises = abort_returns, abort_raises
         self.workers = Workers(EngineConfig(device="cpu"))
         self.workers.size, self.workers.nccl, self.workers.runner = 2, True, self
         self.workers._num_threads = torch.get_num_threads()
@@ -367,6 +360,8 @@ class GraphsHoldingTheAbort:
 
     def abort(self) -> None:
         self.events.append("abort begun")
+        if self.abort_raises:
+            raise RuntimeError("NCCL error: unhandled system error")
         if self.abort_returns:
             self.graphs_gone.wait(FAILURE_SECONDS)
             self.events.append("abort returned")
@@ -438,6 +433,19 @@ def test_an_abort_that_never_returns_leaves_the_group_and_refuses_a_new_one(monk
         parallel_state.init_tensor_parallel(2, "gloo")
     with pytest.raises(RuntimeError, match=refused):  # before any worker is spawned
         Workers(EngineConfig(device="cpu", tensor_parallel_size=2))
+
+
+def test_an_abort_that_raises_leaves_the_group_and_says_why(monkeypatch, caplog):
+    """Destroying a group whose abort failed would wait for the dead peer: close() leaves
+    it as it is and logs what the abort raised."""
+    monkeypatch.setattr(parallel_state, "_abandoned", None)
+    monkeypatch.setattr(parallel_state, "_current", parallel_state.TensorParallel())
+    held = GraphsHoldingTheAbort(monkeypatch, abort_raises=True)
+    held.failed().close()
+    assert "group destroyed" not in held.events
+    assert "torch's abort of the NCCL group raised RuntimeError" in caplog.text
+    with pytest.raises(RuntimeError, match="cannot join another tensor-parallel group"):
+        parallel_state.init_tensor_parallel(2, "gloo")
 
 
 def test_a_failed_worker_releases_rank_0s_waits_in_the_custom_all_reduce():

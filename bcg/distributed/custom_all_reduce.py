@@ -92,7 +92,8 @@ class PeerAllReduce:
 
     def release(self) -> None:
         """Drop the buffers once no kernel of this rank may still touch them (a peer's last
-        kernel has passed its last wait when ours has), and hand shared ones back."""
+        kernel has passed its last wait when ours has; after `release_waits`, the peer is
+        gone), and hand shared ones back."""
         if self.mapped is not None:
             torch.cuda.synchronize(self.mapped[0].device)
             self.mapped = None

@@ -109,6 +109,7 @@ class Workers:
         self._closing = False
         self._group_lock = threading.Lock()  # the failure timer's abort vs close()
         self._abort: threading.Thread | None = None  # NCCL's abort of the group, once begun
+        self._abort_failure: str | None = None  # what that abort raised, if it did
         self._reports: list[Connection] = []  # each worker's reports, by rank - 1
         self._watcher: threading.Thread | None = None
         self.nccl = config.torch_device.type == "cuda"
@@ -235,15 +236,24 @@ class Workers:
         returns only when every CUDA graph that captured a collective of the group is
         destroyed: close() destroys rank 0's after starting it, then waits for it."""
         if self._abort is None:
-            self._abort = threading.Thread(target=self._abort_group, name="bcg-tp-abort",
+            self._abort = threading.Thread(target=self._run_abort, name="bcg-tp-abort",
                                            daemon=True)
             self._abort.start()
         return self._abort
 
+    def _run_abort(self) -> None:
+        """The abort thread's work. What the abort raises is kept for close(): destroying a
+        group that was not aborted would wait for the dead peer."""
+        try:
+            self._abort_group()
+        except Exception as error:  # noqa: BLE001 (close() reports it)
+            self._abort_failure = f"torch's abort of the NCCL group raised {error!r}"
+
     def _abort_if_out_of_step(self, in_step: bool) -> threading.Thread | None:
-        """An NCCL group whose peer failed: its abort, begun now if the timer has not begun
-        it (destroying the group would wait for the dead peer, and so would destroying rank
-        0's graphs while a collective of theirs waits). None: the group is to be destroyed."""
+        """An NCCL group out of step (a peer failed, or rank 0 broke in a step): its abort,
+        begun now if the timer has not begun it (destroying the group would wait for a peer
+        that may never come, and so would destroying rank 0's graphs while a collective of
+        theirs waits). None: the group is to be destroyed."""
         if self.size == 1 or not self.nccl or (in_step and self.failure is None):
             return None
         with self._group_lock:
@@ -251,14 +261,14 @@ class Workers:
 
     def _leave_group(self, abort: threading.Thread | None) -> None:
         """Destroy the group, or once its `abort` returns let it go; if the abort does not
-        return in time, leave the group as it is."""
+        return in time or raises, leave the group as it is."""
         if abort is not None:
             abort.join(ABORT_WAIT_SECONDS)
-        if abort is None or not abort.is_alive():
+        if abort is None or not (abort.is_alive() or self._abort_failure):
             destroy_tensor_parallel()
             return
-        reason = (f"torch's abort of the NCCL group did not return within "
-                  f"{ABORT_WAIT_SECONDS:g} s after a rank failed")
+        reason = self._abort_failure or (f"torch's abort of the NCCL group did not return "
+                                         f"within {ABORT_WAIT_SECONDS:g} s after a rank failed")
         logger.error("%s: the group is left as it is, and this process cannot start another "
                      "tensor-parallel engine (start a new process)", reason)
         abandon_tensor_parallel(reason)

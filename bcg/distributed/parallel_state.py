@@ -205,17 +205,20 @@ def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = Non
     return _current
 
 
-def _connect_collectives(group: TensorParallel, device: torch.device | None) -> None:
+def _connect_collectives(tp: TensorParallel, device: torch.device | None) -> None:
     """Run each collective a step uses once: NCCL connects a collective's peers at its first
-    call, and a peer dying while the host waits in that setup inside a step would hang it."""
-    on = device if device is not None and device.type == "cuda" else torch.device("cpu")
-    probe = torch.zeros(group.size, device=on)
-    group.broadcast(probe)
-    dist.all_reduce(probe, group=group.group)
-    group.all_gather_rows(probe)
-    group.all_to_all(probe, [1] * group.size, [1] * group.size)
-    if probe.is_cuda:
-        torch.cuda.synchronize(probe.device)
+    call (for the algorithm its size takes), and a peer dying while the host waits in that
+    setup inside a step would hang it."""
+    nccl = dist.get_backend(tp.group) == "nccl"
+    if nccl and (device is None or device.type != "cuda"):
+        raise ValueError("an NCCL group needs this rank's GPU: pass its device")
+    probe = torch.zeros(tp.size, device=device if nccl else "cpu")
+    tp.broadcast(probe)
+    dist.all_reduce(probe, group=tp.group)
+    tp.all_gather_rows(probe)
+    tp.all_to_all(probe, [1] * tp.size, [1] * tp.size)
+    if nccl:
+        torch.cuda.synchronize(device)
 
 
 def _forget_failed_init() -> None:

@@ -57,7 +57,9 @@ class SymmMemAllReduce(PeerAllReduce):
     """An all-reduce of tensors of its buffer's dtype, up to the buffer's size, over the
     ranks of the group named `group_name`, through that buffer (mapped by every rank): the
     one-shot kernel up to `one_shot_max_bytes`, the two-shot kernel above; and the fused
-    all-reduce + add + RMSNorm of `PeerAllReduce` over `fused_rows` (None: not fused)."""
+    all-reduce + add + RMSNorm of `PeerAllReduce` over `fused_rows` (None: not fused).
+    `release_waits` ends the fused kernel's waits only: torch's kernels wait for a dead peer
+    for good."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str,
                  one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,

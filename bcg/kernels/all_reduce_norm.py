@@ -95,6 +95,7 @@ class PeerRows:
                  device: torch.device) -> None:
         self.rank, self.world_size = rank, len(data_addresses)
         self.row_numel, self.max_rows, self.dtype = row_numel, max_rows, dtype
+        # Pinned by cudaHostAlloc (torch's default), so its address is also the device's.
         self.released = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_addresses + [self.released.data_ptr()],
