@@ -448,26 +448,33 @@ def test_an_abort_that_raises_leaves_the_group_and_says_why(monkeypatch, caplog)
         parallel_state.init_tensor_parallel(2, "gloo")
 
 
-def test_a_failed_worker_releases_rank_0s_waits_in_the_custom_all_reduce():
+class Waiting:
+    """A custom all-reduce whose kernel waits until released."""
+
+    def __init__(self) -> None:
+        self.released = False
+
+    def release_waits(self) -> None:
+        self.released = True
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_failed_worker_releases_rank_0s_waits_in_the_custom_all_reduce(monkeypatch):
     """Rank 0 may wait in the custom all-reduce's kernel for a worker that died: recording
-    the failure ends those waits (else rank 0's step would never finish)."""
-    released = []
-
-    class Waiting:
-        def release_waits(self) -> None:
-            released.append(True)
-
-        def release(self) -> None:
-            pass
-
-    workers = Workers(EngineConfig(device="cpu"))
-    set_custom_all_reduce(Waiting())
+    the failure ends those waits (else rank 0's step would never finish), and those of one
+    set up after it in the same group (the failure may come as it is set up)."""
+    monkeypatch.setattr(parallel_state, "_waits_released", False)
+    workers, current, later = Workers(EngineConfig(device="cpu")), Waiting(), Waiting()
+    set_custom_all_reduce(current)
     try:
         workers._record(1, "its process exited with code 1")
+        set_custom_all_reduce(later)
     finally:
         set_custom_all_reduce(None)
         workers.close()
-    assert released == [True]
+    assert current.released and later.released
     assert "rank 1 failed: its process exited" in str(workers.error())
 
 

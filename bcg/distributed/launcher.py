@@ -41,9 +41,9 @@ from bcg.distributed.parallel_state import (
     launched_rank,
     local_rank,
     refuse_if_abandoned,
+    release_custom_all_reduce_waits,
     release_spawned_group,
     spawned_group_store,
-    tensor_parallel,
 )
 from bcg.models.config import ModelConfig
 from bcg.timing import startup_step
@@ -213,15 +213,7 @@ class Workers:
             timer = threading.Timer(ABORT_AFTER_SECONDS, self._abort_after_failure)
             timer.daemon = True
             timer.start()
-        self._release_custom_all_reduce_waits()
-
-    @staticmethod
-    def _release_custom_all_reduce_waits() -> None:
-        """Rank 0 may wait in the custom all-reduce's kernel for the failed rank's part: end
-        those waits."""
-        custom = tensor_parallel().custom_all_reduce
-        if custom is not None:
-            custom.release_waits()
+        release_custom_all_reduce_waits()  # rank 0 may wait in its kernel for the rank
 
     def _abort_after_failure(self) -> None:
         """The timer's abort: not once close() has begun (it aborts the group itself if a

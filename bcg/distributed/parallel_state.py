@@ -119,6 +119,7 @@ class TensorParallel:
 
 _current = TensorParallel()
 _abandoned: str | None = None  # why this process may not join a group again
+_waits_released = False  # a peer of the group failed (`release_custom_all_reduce_waits`)
 
 
 def tensor_parallel() -> TensorParallel:
@@ -133,6 +134,18 @@ def set_custom_all_reduce(custom: CustomAllReduce | None) -> None:
     if _current.custom_all_reduce not in (None, custom):
         _current.custom_all_reduce.release()
     _current = replace(_current, custom_all_reduce=custom)
+    if custom is not None and _waits_released:  # read after the swap: see the release below
+        custom.release_waits()
+
+
+def release_custom_all_reduce_waits() -> None:
+    """A peer of the group failed: end the waits of the custom all-reduce's kernel, the
+    current one's and any set later in this group (one may be set while the failure is
+    recorded: whichever of the two runs second releases it)."""
+    global _waits_released
+    _waits_released = True
+    if _current.custom_all_reduce is not None:
+        _current.custom_all_reduce.release_waits()
 
 
 # A worker waits in the CPU group for the next step as long as the engine is idle.
@@ -246,11 +259,11 @@ def local_rank() -> int:
 def destroy_tensor_parallel() -> None:
     """Leave the group (reset every CUDA graph that captured a collective first: destroying
     the group under live graphs hangs)."""
-    global _current
+    global _current, _waits_released
     set_custom_all_reduce(None)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _current = TensorParallel()
+    _current, _waits_released = TensorParallel(), False
 
 
 def refuse_if_abandoned() -> None:
@@ -263,6 +276,6 @@ def refuse_if_abandoned() -> None:
 def abandon_tensor_parallel(reason: str) -> None:
     """Forget the group without touching it (its abort did not return: any call into it may
     wait for good); this process refuses to join another one."""
-    global _current, _abandoned
+    global _current, _abandoned, _waits_released
     _abandoned = reason
-    _current = TensorParallel()
+    _current, _waits_released = TensorParallel(), False
