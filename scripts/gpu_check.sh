@@ -6,7 +6,9 @@
 # With several GPUs visible the test files run in parallel lanes, one GPU each
 # (GPU_CHECK_LANES=N sets the count), and the several-GPU files after them on every GPU.
 # GPU_CHECK_FILES=single (or multi) runs only the one-GPU (or the several-GPU) test files,
-# for device calls too short for both.
+# for device calls too short for both; GPU_CHECK_K="expr" passes -k "expr" to every test
+# file (e.g. GPU_CHECK_FILES=multi GPU_CHECK_K="tiny-llama or dying": a part of
+# tests/test_multi_gpu.py, which takes more than one call's 10 minutes whole).
 # Wheels missing on that machine travel in .whl/ (carry it) and are installed to /tmp/site,
 # which later calls on the same (warm) machine reuse without carrying them again.
 set -uo pipefail
@@ -43,9 +45,11 @@ MULTI_GPU_FILES=" tests/test_multi_gpu.py tests/test_symm_mem.py "
 # its output appended to $2; prints its summary line. Kernel tests run unmarked: on a GPU
 # they compile and launch the real kernels.
 test_file() {
-  local file=$1 log=$2 started=$SECONDS marker=(-m gpu)
+  local file=$1 log=$2 started=$SECONDS marker=(-m gpu) only=()
   [[ "$file" == tests/test_kernels_* ]] && marker=()
-  python3 -m pytest -q "${marker[@]}" -p no:cacheprovider --tb=short "$file" >"$log.one" 2>&1
+  [ -n "${GPU_CHECK_K:-}" ] && only=(-k "$GPU_CHECK_K")
+  python3 -m pytest -q "${marker[@]}" "${only[@]}" -p no:cacheprovider --tb=short "$file" \
+    >"$log.one" 2>&1
   cat "$log.one" >>"$log"
   echo "$(basename "$file"): $(tail -n 1 "$log.one") [$((SECONDS - started)) s]"
 }
