@@ -180,8 +180,8 @@ class EngineConfig:
         "(logged) use NCCL for all. On two H200s it makes qwen3-8b's tp2 decode step 11% "
         "faster at batch 1 and 14% at 64 (two H100s: tp2's step 0.620x tp1's at batch 1). "
         "Off by default until it has run the whole several-GPU suite and the offline "
-        "benchmark: its waits have no timeout, but rank 0 releases them when a worker it "
-        "spawned fails (under torchrun, torchrun ends every rank)",
+        "benchmark: its waits have no timeout, but rank 0 releases its own when a worker it "
+        "spawned fails, and ends the others (under torchrun, torchrun ends every rank)",
     )
     enable_torch_symm_mem: bool = _arg(
         False,

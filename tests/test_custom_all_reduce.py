@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bcg.distributed import parallel_state
 from bcg.distributed.custom_all_reduce import (
     MAX_ROWS,
     PeerAllReduce,
@@ -92,7 +93,9 @@ def test_the_flag_turns_it_on():
 
 def cpu_rank_main(rank: int, port: int) -> None:
     torch.set_num_threads(1)
+    parallel_state._waits_released = True  # as a late failure of a group before may leave it
     init_tensor_parallel(2, "gloo", spawned_group_store(2, rank, port), rank)
+    assert not parallel_state._waits_released  # a new group starts with its waits kept
     records = []
     handler = logging.Handler()
     handler.emit = records.append

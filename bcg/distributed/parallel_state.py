@@ -144,8 +144,9 @@ def release_custom_all_reduce_waits() -> None:
     recorded: whichever of the two runs second releases it)."""
     global _waits_released
     _waits_released = True
-    if _current.custom_all_reduce is not None:
-        _current.custom_all_reduce.release_waits()
+    custom = _current.custom_all_reduce  # once: the main thread may set another meanwhile
+    if custom is not None:
+        custom.release_waits()
 
 
 # A worker waits in the CPU group for the next step as long as the engine is idle.
@@ -193,10 +194,12 @@ def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = Non
     to it: NCCL's communicator is then created here, not at the first collective (inside a
     step or a graph capture)."""
     global _current
+    global _waits_released
     if size == 1:
         _current = TensorParallel()
         return _current
     refuse_if_abandoned()
+    _waits_released = False  # a late failure report of the group before may have set it
     if not dist.is_initialized():
         options: dict[str, Any] = {"init_method": "env://"}
         if store is not None:
