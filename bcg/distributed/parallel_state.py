@@ -226,8 +226,7 @@ def _connect_collectives(tp: TensorParallel, device: torch.device | None) -> Non
     call (for the algorithm its size takes), and a peer dying while the host waits in that
     setup inside a step would hang it."""
     nccl = dist.get_backend(tp.group) == "nccl"
-    if nccl and (device is None or device.type != "cuda"):
-        raise ValueError("an NCCL group needs this rank's GPU: pass its device")
+    assert not nccl or (device is not None and device.type == "cuda"), "NCCL needs the GPU"
     probe = torch.zeros(tp.size, device=device if nccl else "cpu")
     tp.broadcast(probe)
     dist.all_reduce(probe, group=tp.group)

@@ -103,6 +103,10 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         if self.device.type == "cuda":
             hash_triton_in_background()
+            # A closed engine's blocks back to the GPU before this one sizes its caches from
+            # free memory: unreachable ones may wait for the collector.
+            gc.collect()
+            torch.cuda.empty_cache()
         with startup_step(f"weights ({config.load_format})"):
             # Before the model is built: its layers take their experts and collectives as set.
             set_expert_parallel(config.enable_expert_parallel, config.ep_dispatch,
@@ -424,10 +428,7 @@ class ModelRunner:
         return max(0, self._gpu_budget_left(config) - activation_bytes)
 
     def _gpu_budget_left(self, config: EngineConfig) -> int:
-        """The gpu_memory_utilization share of the GPU minus what is in use now (a closed
-        engine's blocks are handed back first: unreachable ones may wait for the collector)."""
-        gc.collect()
-        torch.cuda.empty_cache()
+        """The gpu_memory_utilization share of the GPU minus what is in use now."""
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total * config.gpu_memory_utilization) - (total - free)
 
