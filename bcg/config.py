@@ -171,17 +171,17 @@ class EngineConfig:
         "the exchange); default: max(max_num_seqs, 2048): on two H100s (ep2) blocks beat "
         "the host's sync up to 2048 tokens and lost at 4096",
     )
-    enable_custom_all_reduce: bool = _arg(
+    disable_custom_all_reduce: bool = _arg(
         False,
-        "tensor parallel on GPUs: all-reduces of up to 256 rows of up to 16 KiB (a decode "
-        "step's hidden states), and the residual add and RMSNorm after them, in one kernel of "
-        "ours over buffers the ranks map through CUDA IPC, instead of NCCL; larger ones stay "
-        "on NCCL, and ranks on several hosts or without peer access between their GPUs "
-        "(logged) use NCCL for all. On two H200s it makes qwen3-8b's tp2 decode step 11% "
-        "faster at batch 1 and 14% at 64 (two H100s: tp2's step 0.620x tp1's at batch 1). "
-        "Off by default until it has run the whole several-GPU suite and the offline "
-        "benchmark: its waits have no timeout, but rank 0 releases its own when a worker it "
-        "spawned fails, and ends the others (under torchrun, torchrun ends every rank)",
+        "tensor parallel on GPUs: every all-reduce through NCCL (vLLM's flag). By default "
+        "all-reduces of up to 256 rows of up to 16 KiB (a decode step's hidden states), and "
+        "the residual add and RMSNorm after them, run in one kernel of ours over buffers the "
+        "ranks map through CUDA IPC (the custom all-reduce); larger ones stay on NCCL, and "
+        "ranks on several hosts or without peer access between their GPUs (logged) use NCCL "
+        "for all. On two H200s it makes qwen3-8b's tp2 decode step 11% faster at batch 1 and "
+        "14% at 64 (two H100s: tp2's step 0.620x tp1's at batch 1, NCCL's 0.704x). Its waits "
+        "have no timeout: rank 0 releases its own when a worker it spawned fails, and ends "
+        "the others (under torchrun, torchrun ends every rank)",
     )
     enable_torch_symm_mem: bool = _arg(
         False,

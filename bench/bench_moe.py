@@ -1,9 +1,10 @@
 """Qwen3-MoE on dummy qwen3-30b-a3b, bf16: one GPU, tensor parallel and expert parallel.
 
 Configurations: `tp1` (one GPU); on two GPUs `tp2` (each expert's intermediate dimension
-split), `ep2-allreduce` (half the experts per rank, one all-reduce) and `ep2-alltoall` (each
-token sent to its experts' ranks); on request `tp2-custom` (tp2 with
-`--enable-custom-all-reduce`) and `tp2-symm-mem` (tp2 with
+split; decode-sized all-reduces through the custom all-reduce, the default), `ep2-allreduce`
+(half the experts per rank, one all-reduce) and `ep2-alltoall` (each token sent to its
+experts' ranks); on request `tp2-nccl` (tp2 with `--disable-custom-all-reduce`) and
+`tp2-symm-mem` (tp2 with
 `--enable-torch-symm-mem`), decode and offline, and `ep2-alltoall-blocks` (ep2-alltoall with
 every step of this bench, up to 4096 tokens, exchanged in fixed-size blocks, to compare with
 the default's counted rows above 2048 tokens).
@@ -42,9 +43,9 @@ EXPERT_PARALLEL = {**TWO_RANKS, "enable_expert_parallel": True}
 SETUPS = {
     "tp1": suite.Setup({"model": MODEL}),
     "tp2": suite.Setup(TWO_RANKS),
-    # small all-reduces through the custom all-reduce (on request)
-    "tp2-custom": suite.Setup({**TWO_RANKS, "enable_custom_all_reduce": True},
-                              parts=("decode", "offline")),
+    # every all-reduce through NCCL (on request)
+    "tp2-nccl": suite.Setup({**TWO_RANKS, "disable_custom_all_reduce": True},
+                            parts=("decode", "offline")),
     # small all-reduces through torch symmetric memory (on request)
     "tp2-symm-mem": suite.Setup({**TWO_RANKS, "enable_torch_symm_mem": True},
                                 parts=("decode", "offline")),

@@ -110,9 +110,9 @@ def time_workload(llm: LLM, requests, repeats: int) -> dict:
 
 def custom_all_reduce_active() -> str | None:
     """Which kernel the live engine's small all-reduces go through: "symm-mem" where
-    --enable-torch-symm-mem took effect, "custom" where --enable-custom-all-reduce did (or
-    the first fell back to it), None for the group's backend (the flags fall back, logged,
-    where they cannot run)."""
+    --enable-torch-symm-mem took effect, "custom" where the custom all-reduce (the default
+    at several GPUs) did, or the first fell back to it, None for the group's backend (each
+    falls back, logged, where it cannot run)."""
     kernel = tensor_parallel().custom_all_reduce
     if kernel is None:
         return None

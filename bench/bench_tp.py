@@ -1,13 +1,13 @@
 """Tensor parallelism on dummy qwen3-8b, bf16: tp1 and tp2 side by side in one run (2 GPUs).
 
 Rows, each measured as `bench/model_suite.py` describes: decode engine step at batch 1, 8
-and 64 and bench_offline's output tok/s, at tp1, tp2 (NCCL), tp2 with
-`--enable-custom-all-reduce` (`tp2-custom`) and with `--enable-torch-symm-mem`
-(`tp2-symm-mem`); prefill rows (eager, breakable, piecewise) at tp2. Targets (the
-tensor-parallelism issue): tp2's decode step at batch 1 at most 0.62x tp1's; tp2's output
-tok/s at least 1.5x tp1's; breakable ≤ piecewise on every prefill row.
+and 64 and bench_offline's output tok/s, at tp1, tp2 (the default: decode-sized all-reduces
+through the custom all-reduce), tp2 with `--disable-custom-all-reduce` (`tp2-nccl`) and with
+`--enable-torch-symm-mem` (`tp2-symm-mem`); prefill rows (eager, breakable, piecewise) at
+tp2. Targets (the tensor-parallelism issue): tp2's decode step at batch 1 at most 0.62x
+tp1's; tp2's output tok/s at least 1.5x tp1's; breakable ≤ piecewise on every prefill row.
 JSON: bench/results/bench_tp.json (rows carry `config` and `tp`).
-Run: python bench/bench_tp.py [--configs tp1 tp2 tp2-custom tp2-symm-mem]
+Run: python bench/bench_tp.py [--configs tp1 tp2 tp2-nccl tp2-symm-mem]
 [--parts prefill decode offline]
 (each part or configuration can run alone; the JSON keeps the others' earlier rows).
 """
@@ -24,9 +24,9 @@ MODEL = "qwen3-8b"
 SETUPS = {
     "tp1": suite.Setup({"model": MODEL}, parts=("decode", "offline")),
     "tp2": suite.Setup({"model": MODEL, "tensor_parallel_size": 2}),
-    # small all-reduces through the custom all-reduce instead of NCCL
-    "tp2-custom": suite.Setup({"model": MODEL, "tensor_parallel_size": 2,
-                               "enable_custom_all_reduce": True}, parts=("decode", "offline")),
+    # every all-reduce through NCCL
+    "tp2-nccl": suite.Setup({"model": MODEL, "tensor_parallel_size": 2,
+                             "disable_custom_all_reduce": True}, parts=("decode", "offline")),
     # small all-reduces through torch symmetric memory instead of NCCL
     "tp2-symm-mem": suite.Setup({"model": MODEL, "tensor_parallel_size": 2,
                                  "enable_torch_symm_mem": True}, parts=("decode", "offline")),
@@ -35,7 +35,7 @@ SETUPS = {
 
 def report(rows: list[dict]) -> None:
     suite.print_tables(rows)
-    for config in ("tp2", "tp2-custom", "tp2-symm-mem"):
+    for config in ("tp2", "tp2-nccl", "tp2-symm-mem"):
         suite.print_config_ratio(f"{config} / tp1 decode step at batch 1", rows, config, "tp1",
                                  "decode", "ms_per_step", "≤ 0.62", batch_size=1)
         suite.print_config_ratio(f"{config} / tp1 output tok/s", rows, config, "tp1",

@@ -263,7 +263,7 @@ def measure_setup(name: str, setup: Setup, parts: Iterable[str], hbm_gbs: float 
              "ep_fixed_block_tokens": (config.alltoall_fixed_block_tokens
                                        if config.uses_alltoall else None),
              "torch_symm_mem": config.enable_torch_symm_mem,
-             "enable_custom_all_reduce": config.enable_custom_all_reduce,
+             "disable_custom_all_reduce": config.disable_custom_all_reduce,
              "decode_graph": config.decode_graph, "device": device_name(config),
              "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     return [{**facts, **row} for row in rows]
@@ -395,22 +395,35 @@ def print_tables(rows: list[dict], floor: str = "floor") -> None:
 
 def print_flag_fallbacks(rows: list[dict]) -> None:
     """Name each configuration's part that asked for an all-reduce kernel of ours and ran
-    without it (each flag falls back, logged, where it cannot run; torch symmetric memory's
+    without it (each falls back, logged, where it cannot run; torch symmetric memory's
     before the custom all-reduce; rows from before the custom all-reduce say True or False)."""
     fell_back = set()
     for r in rows:
-        if r.get("torch_symm_mem"):
-            flag, wanted = "--enable-torch-symm-mem", "symm-mem"
-        elif r.get("enable_custom_all_reduce"):
-            flag, wanted = "--enable-custom-all-reduce", "custom"
-        else:
+        asked = kernel_asked(r)
+        if asked is None or "custom_all_reduce" not in r:  # only decode and offline rows say
             continue
+        flag, wanted = asked
         ran = r.get("custom_all_reduce")
         if ran not in (True, wanted):
             fell_back.add((r["config"], r["part"], flag, ran or "NCCL"))
     for config, part, flag, ran in sorted(fell_back):
         print(f"note: {config}'s {part} rows ran on {ran}: {flag} did not take effect (the log "
               "says why)")
+
+
+def kernel_asked(row: dict) -> tuple[str, str] | None:
+    """(what asked for it, its name in the rows) of the all-reduce kernel of ours a row's
+    configuration asked for, or None: torch symmetric memory's flag, else the custom
+    all-reduce at several GPUs unless turned off (rows from before it was the default carry
+    `enable_custom_all_reduce` instead)."""
+    if row.get("torch_symm_mem"):
+        return "--enable-torch-symm-mem", "symm-mem"
+    if "disable_custom_all_reduce" in row:
+        default_on = (row.get("tp", 1) > 1 and row.get("device") != "cpu"
+                      and not row["disable_custom_all_reduce"])
+        return ("the custom all-reduce (the default)", "custom") if default_on else None
+    return ("--enable-custom-all-reduce", "custom") if row.get("enable_custom_all_reduce") \
+        else None
 
 
 def print_prefill_table(rows: list[dict]) -> None:

@@ -36,9 +36,12 @@ def step_logits(model: str, device: str = "cpu", **engine_args
     token: fewer than the ranks): the logits of every row, and the model. On CUDA the
     runner (its graphs) is closed before returning."""
     harness = PagedHarness(model, device=device, **engine_args)
-    if engine_args.get("enable_torch_symm_mem") and torch.device(device).type == "cuda":
-        # a fallback to NCCL would pass as well: the run must test the kernel
-        assert tensor_parallel().custom_all_reduce is not None, "symmetric memory is off"
+    if torch.device(device).type == "cuda" and tensor_parallel().size > 1:
+        # a fallback to NCCL would pass as well: each run must test what it names
+        kernel_off = engine_args.get("disable_custom_all_reduce") and not engine_args.get(
+            "enable_torch_symm_mem")
+        assert (tensor_parallel().custom_all_reduce is None) == bool(kernel_off), \
+            "the all-reduce kernel asked for is not the one running"
     try:
         seqs = [harness.new_sequence(list(p)) for p in PROMPTS]
         prefill = harness.step(seqs, [len(p) for p in PROMPTS])

@@ -82,13 +82,22 @@ def test_parts_that_asked_for_a_kernel_of_ours_and_ran_without_it_are_named(caps
     rows = [{"config": "tp2-symm-mem", "part": part, "torch_symm_mem": True,
              "custom_all_reduce": active} for part, active in (("decode", True),
                                                                ("offline", False))]
-    rows.append({"config": "tp2", "part": "offline", "torch_symm_mem": False,
-                 "custom_all_reduce": False})
-    rows += [{"config": "tp2-custom", "part": part, "enable_custom_all_reduce": True,
-              "custom_all_reduce": active} for part, active in (("decode", "custom"),
-                                                                ("offline", None))]
+    rows.append({"config": "tp2-nccl", "part": "offline", "tp": 2, "device": "NVIDIA H200",
+                 "torch_symm_mem": False, "disable_custom_all_reduce": True,
+                 "custom_all_reduce": None})
+    rows += [{"config": "tp2", "part": part, "tp": 2, "device": "NVIDIA H200",
+              "disable_custom_all_reduce": False, "custom_all_reduce": active}
+             for part, active in (("decode", "custom"), ("offline", None))]
+    rows += [{"config": "tp2-cpu", "part": "decode", "tp": 2, "device": "cpu",
+              "disable_custom_all_reduce": False, "custom_all_reduce": None}]
+    rows += [{"config": "tp2", "part": part, "tp": 2, "device": "NVIDIA H200",
+              "disable_custom_all_reduce": False} for part in ("prefill", "graphs")]  # no say
+    rows += [{"config": "tp2-custom", "part": "offline", "enable_custom_all_reduce": True,
+              "custom_all_reduce": None}]  # a row from before it was the default
     model_suite.print_flag_fallbacks(rows)
     assert capsys.readouterr().out.splitlines() == [
+        "note: tp2's offline rows ran on NCCL: the custom all-reduce (the default) did not "
+        "take effect (the log says why)",
         "note: tp2-custom's offline rows ran on NCCL: --enable-custom-all-reduce did not take "
         "effect (the log says why)",
         "note: tp2-symm-mem's offline rows ran on NCCL: --enable-torch-symm-mem did not take "
@@ -226,12 +235,12 @@ def test_a_ratio_of_rows_of_different_runs_says_so(capsys):
     """A row kept from an earlier run (another call, maybe another machine of the kind) is
     no fair denominator for today's: the target line names both runs."""
     module = importlib.import_module("bench.bench_tp")
-    rows = fake_rows(["tp1", "tp2-custom"])
+    rows = fake_rows(["tp1", "tp2-nccl"])
     rows += [{**row, "run": "2026-11-25 10:00:00"} for row in unstamped_fake_rows(["tp2"])]
     rows += unstamped_fake_rows(["tp2-symm-mem"])
     module.report(rows)
     out = capsys.readouterr().out
-    assert "tp2-custom / tp1 decode step at batch 1: 0.600 (target ≤ 0.62)\n" in out
+    assert "tp2-nccl / tp1 decode step at batch 1: 0.600 (target ≤ 0.62)\n" in out
     assert ("tp2 / tp1 decode step at batch 1: 0.600 (target ≤ 0.62; rows of different runs "
             "(2026-11-25 10:00:00 and 2026-11-27 03:00:00): compare within one run)") in out
     assert ("tp2-symm-mem / tp1 output tok/s: 1.667 (target ≥ 1.5; rows not stamped with "

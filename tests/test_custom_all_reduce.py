@@ -1,11 +1,11 @@
-"""The custom all-reduce (`--enable-custom-all-reduce`).
+"""The custom all-reduce (on by default; `--disable-custom-all-reduce`).
 
-CPU: which tensors it takes, that a released one says its engine is closed, and that on the
-CPU (gloo, 2 processes) every rank falls back to the group's backend, logged, with this
-flag and with `--enable-torch-symm-mem`. GPU (2 GPUs, NCCL): its sums equal NCCL's in bf16,
-fp16 and fp32, eagerly and replayed from CUDA graphs on fresh data, alone and fused with
-the residual add and the RMSNorm (bit for bit: two ranks' sum has one rounding in any
-order).
+CPU: which tensors it takes, that a released one says its engine is closed, that the flag
+reaches the engine, and that on the CPU (gloo, 2 processes) every rank stays on the group's
+backend: silently for this default, logged for `--enable-torch-symm-mem`. GPU (2 GPUs,
+NCCL): its sums equal NCCL's in bf16, fp16 and fp32, eagerly and replayed from CUDA graphs
+on fresh data, alone and fused with the residual add and the RMSNorm (bit for bit: two
+ranks' sum has one rounding in any order).
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ from bcg.distributed.parallel_state import (
     tensor_parallel,
 )
 from bcg.distributed.symm_mem import use_torch_symm_mem
+from bcg.engine.llm import LLM
+from bcg.runner import model_runner
 from bcg.utils import free_port
+from tests.hf_tiny import save_tiny_model
 from tests.test_symm_mem import (
     check_fused_eager,
     check_fused_graph_replays,
@@ -84,11 +87,27 @@ def test_a_released_kernel_says_its_engine_is_closed(make, monkeypatch):
             takes(torch.zeros(2, 8, dtype=torch.bfloat16))
 
 
-def test_the_flag_turns_it_on():
+def test_it_is_on_unless_the_flag_turns_it_off():
     from bcg.cli import build_parser
 
-    args = build_parser().parse_args(["generate", "--enable-custom-all-reduce", "Hi"])
-    assert args.enable_custom_all_reduce is True
+    parser = build_parser()
+    assert parser.parse_args(["generate", "Hi"]).disable_custom_all_reduce is False
+    args = parser.parse_args(["generate", "--disable-custom-all-reduce", "Hi"])
+    assert args.disable_custom_all_reduce is True
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_the_flag_reaches_the_engine(tmp_path, monkeypatch, disabled):
+    asked = []
+
+    def recorded(enabled: bool, dtype: torch.dtype, device: torch.device) -> None:
+        asked.append(enabled)
+
+    monkeypatch.setattr(model_runner, "use_custom_all_reduce", recorded)
+    save_tiny_model("qwen3", tmp_path)
+    LLM(str(tmp_path), device="cpu", kv_cache_tokens=256, max_model_len=64,
+        disable_custom_all_reduce=disabled).close()
+    assert asked == [not disabled]
 
 
 def cpu_rank_main(rank: int, port: int) -> None:
@@ -105,10 +124,11 @@ def cpu_rank_main(rank: int, port: int) -> None:
         assert use_custom_all_reduce(True, torch.float32, torch.device("cpu")) is None
         assert use_torch_symm_mem(True, torch.float32, torch.device("cpu")) is None
         assert tensor_parallel().custom_all_reduce is None
-        for flag in ("--enable-custom-all-reduce", "--enable-torch-symm-mem"):
-            [message] = [r for r in records if flag in r.getMessage()]
-            assert message.levelno == logging.WARNING
-            assert "does not take effect: it needs CUDA devices" in message.getMessage()
+        # on by default: nothing to say where it never runs; the flag asked for is named
+        assert not [r for r in records if "custom all-reduce" in r.getMessage()]
+        [message] = [r for r in records if "--enable-torch-symm-mem" in r.getMessage()]
+        assert message.levelno == logging.WARNING
+        assert "does not take effect: it needs CUDA devices" in message.getMessage()
         x = torch.full((4,), float(rank + 1))
         assert torch.equal(tensor_parallel().all_reduce(x), torch.full((4,), 3.0))
     finally:

@@ -3,9 +3,9 @@ the presets with dummy weights): the logits of a model split over N GPUs match t
 GPU in the same graph mode within the GPU suite's bf16 tolerance, in every graph mode
 (breakable prefill with full decode graphs, piecewise prefill with breakable decode graphs,
 eager, debug mode) and for each parallel layout of the model (tensor parallel; MoE also
-expert parallel with either dispatch; by default every all-reduce runs through
-NCCL, and the tiny models also run with `--enable-custom-all-reduce` and with
-`--enable-torch-symm-mem`).
+expert parallel with either dispatch; by default decode-sized all-reduces run through the
+custom all-reduce, and the tiny models also run with `--disable-custom-all-reduce` (NCCL
+for all) and with `--enable-torch-symm-mem`).
 Where one GPU cannot hold the model, the reference is two GPUs (qwen3-32b: 65 GB of bf16
 weights), or a few of its layers (`hf_overrides`) keep its shapes. A case skips unless as
 many GPUs as its ranks are visible.
@@ -68,12 +68,12 @@ MOE = {"tp": {},
        "ep-alltoall": {"enable_expert_parallel": True, "ep_dispatch": "alltoall",
                        "max_num_seqs": 4, "ep_fixed_block_tokens": 4},
        "ep-alltoall fixed": {"enable_expert_parallel": True, "ep_dispatch": "alltoall"}}
-# On the tiny models also the small all-reduces through the custom all-reduce, and through
-# torch symmetric memory.
-CUSTOM = {"enable_custom_all_reduce": True}
+# On the tiny models also every all-reduce through NCCL, and the small ones through torch
+# symmetric memory.
+NCCL = {"disable_custom_all_reduce": True}
 SYMM_MEM = {"enable_torch_symm_mem": True}
-DENSE_SYMM_MEM = {**DENSE, "tp custom": CUSTOM, "tp symm-mem": SYMM_MEM}
-MOE_SYMM_MEM = {**MOE, "tp custom": CUSTOM, "tp symm-mem": SYMM_MEM,
+DENSE_SYMM_MEM = {**DENSE, "tp nccl": NCCL, "tp symm-mem": SYMM_MEM}
+MOE_SYMM_MEM = {**MOE, "tp nccl": NCCL, "tp symm-mem": SYMM_MEM,
                 "ep-allreduce symm-mem": {**MOE["ep-allreduce"], **SYMM_MEM}}
 
 
@@ -100,7 +100,7 @@ class Case:
         """The same run on the reference GPUs: tensor parallel only, experts whole."""
         return {k: v for k, v in run_args.items()
                 if k not in ("enable_expert_parallel", "ep_dispatch", "ep_fixed_block_tokens",
-                             *SYMM_MEM, *CUSTOM)}
+                             *SYMM_MEM, *NCCL)}
 
     def common_args(self) -> dict:
         return {"load_format": "auto" if self.tiny else "dummy", "dtype": "bfloat16",
@@ -169,7 +169,7 @@ def largest_error(rows: list[torch.Tensor], expected: list[torch.Tensor]) -> flo
     return max(relative_error(ours, ref) for ours, ref in zip(rows, expected, strict=True))
 
 
-@pytest.mark.parametrize("all_reduce", [{}, CUSTOM, SYMM_MEM], ids=["nccl", "custom", "symm-mem"])
+@pytest.mark.parametrize("all_reduce", [NCCL, {}, SYMM_MEM], ids=["nccl", "custom", "symm-mem"])
 def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path, all_reduce):
     """Rank 0's process compiled its kernels for a first engine; the second engine's worker
     is a new process that has not. Their captures must still run the same collectives (a
@@ -178,7 +178,8 @@ def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path,
     worker's buffer as the first engine's. With symmetric memory the second
     engine cannot map a buffer with its new worker (torch numbers its exchanges per process,
     and rank 0's process has made some): its rendezvous times out after 30 s, it logs why and
-    runs on NCCL, and its tokens still match (README, Tensor parallelism)."""
+    runs on the custom all-reduce, and its tokens still match (README, Tensor
+    parallelism)."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     save_tiny_model("nemotron_h", tmp_path)  # attention, Mamba2 and MLP blocks
@@ -187,7 +188,7 @@ def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path,
         llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="bfloat16", max_model_len=256,
                   **all_reduce)
         try:
-            if all_reduce is CUSTOM:
+            if not all_reduce:  # the default
                 assert tensor_parallel().custom_all_reduce is not None
             outputs = llm.generate([list(p) for p in PROMPTS],
                                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
@@ -197,7 +198,7 @@ def test_a_second_engine_in_one_process_captures_like_its_fresh_worker(tmp_path,
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.parametrize("all_reduce", [{}, CUSTOM], ids=["nccl", "custom"])
+@pytest.mark.parametrize("all_reduce", [NCCL, {}], ids=["nccl", "custom"])
 def test_a_worker_dying_in_a_step_is_named(tmp_path, all_reduce):
     """Rank 0 waits for the dead worker's part, in NCCL until its launcher aborts the group
     or in the custom all-reduce's kernel until the launcher releases the wait: the step then
@@ -219,7 +220,7 @@ def test_a_worker_dying_in_a_step_is_named(tmp_path, all_reduce):
         if process.is_alive():
             process.kill()
     assert "raised" not in outcome, outcome.get("raised")
-    assert outcome["custom all-reduce"] == bool(all_reduce)
+    assert outcome["custom all-reduce"] == (all_reduce is not NCCL)
     assert "rank 1 failed: its process exited with code 3" in outcome["error"]
     assert outcome["step seconds"] < FAILURE_SECONDS
     assert outcome["close seconds"] < launcher.ABORT_WAIT_SECONDS

@@ -10,11 +10,12 @@ rows of up to `MAX_ROW_BYTES` (a decode batch of 256 at hidden 8192 in bf16) tak
 ones (prefill chunks), other dtypes and traced code (`torch.compile`) stay on the group's
 backend.
 
-Off by default (`--enable-custom-all-reduce`): its waits have no timeout, so a rank whose
-peer died mid-step waits in the kernel until the host releases them (rank 0 does when a
-worker it spawned fails: `launcher.Workers`; under torchrun the launcher ends every rank).
-Where the kernel cannot run (ranks on several hosts, no peer access between the GPUs, no
-Triton), the reason is logged and the group's backend does every all-reduce.
+On by default at several ranks on GPUs (`--disable-custom-all-reduce`, vLLM's flag, turns it
+off). Its waits have no timeout, so a rank whose peer died mid-step waits in the kernel
+until the host releases them (rank 0 does when a worker it spawned fails:
+`launcher.Workers`; under torchrun the launcher ends every rank). Where the kernel cannot
+run (ranks on several hosts, no peer access between the GPUs, no Triton), the reason is
+logged and the group's backend does every all-reduce.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from bcg.distributed.parallel_state import TensorParallel, set_custom_all_reduce, tensor_parallel
+from bcg.distributed.parallel_state import (
+    TensorParallel,
+    launched_rank,
+    set_custom_all_reduce,
+    tensor_parallel,
+)
 
 try:
     from bcg.kernels.all_reduce_norm import PeerRows, all_reduce_add_rms_norm, all_reduce_rows
@@ -40,7 +46,7 @@ MAX_ROWS = 256  # rows of one call: a decode step of up to 256 sequences
 MAX_ROW_BYTES = 16 * 1024  # a row of up to 8192 bf16 (4096 fp32) elements
 MAX_RANKS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FLAG = "--enable-custom-all-reduce"
+FLAG = "the custom all-reduce (--disable-custom-all-reduce turns it off)"
 # Where rebuild_cuda_tensor takes the device to open a shared buffer on.
 _STORAGE_DEVICE = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
 
@@ -108,12 +114,10 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
                           device: torch.device) -> PeerAllReduce | None:
     """With `enabled` and several ranks on GPUs, map every rank's buffer on every rank, make
     the kernel the group's custom all-reduce and return it (a collective: every rank calls
-    this at the same point, before its model is built); or log why it cannot run here and
-    return None: then the group's backend does every all-reduce."""
+    this at the same point, before its model is built); or, on GPUs, log why it cannot run
+    here and return None: then the group's backend does every all-reduce."""
     tp = tensor_parallel()
-    if not enabled or tp.size == 1:
-        if enabled:
-            logger.info("%s has no effect on a single rank", FLAG)
+    if not enabled or tp.size == 1 or device.type != "cuda":  # every rank alike
         return None
     reason = unsupported(tp, dtype, device) or rows_unsupported(tp)
     buffer, exports = None, None
@@ -199,7 +203,8 @@ def unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) ->
         return f"it needs CUDA devices, and this rank runs on {device}"
     if dtype not in DTYPES:
         return f"the kernels sum {', '.join(str(d) for d in DTYPES)}, not {dtype}"
-    if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
+    # torchrun's count of this host's ranks (rank 0's own workers are all on its host)
+    if launched_rank() is not None and int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) < tp.size:
         return "the ranks span several hosts, and the kernel reads peers' memory directly"
     if torch.cuda.device_count() < tp.size:
         return (f"this rank sees {torch.cuda.device_count()} GPUs, not one per rank (each "

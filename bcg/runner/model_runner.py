@@ -113,7 +113,7 @@ class ModelRunner:
                                 fixed_block_tokens=config.alltoall_fixed_block_tokens)
             self._custom_all_reduce = (
                 use_torch_symm_mem(config.enable_torch_symm_mem, self.dtype, self.device)
-                or use_custom_all_reduce(config.enable_custom_all_reduce, self.dtype,
+                or use_custom_all_reduce(not config.disable_custom_all_reduce, self.dtype,
                                          self.device))
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
