@@ -40,3 +40,5 @@ case "$1" in
        bash scripts/gpu_check.sh tests ;;
   *) echo "usage: $0 a|b|c"; exit 2 ;;
 esac
+# Then, if device time is left (two GPUs, about 150 s): NEXT.md item 2's probe,
+#   run probe 300 python bench/results/s32/step_times_probe.py 8
