@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.bench_decode import prompts  # noqa: E402
-
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
+from bench.bench_decode import prompts  # noqa: E402
 
 BATCH, STEPS = 64, 32
 
