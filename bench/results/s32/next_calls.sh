@@ -8,6 +8,8 @@
 #      bench_skinny_linear's nemotron rows                                  (about 450 s)
 #   b  (two GPUs, main + both) the one-GPU files in two lanes               (about 370 s)
 #   c  (two GPUs, main + both) the NemotronH and tiny Llama splits of test_multi_gpu.py
+#   d  (two GPUs, main) NEXT.md item 2's probe: per-step times of qwen3-8b decode at batch 64,
+#      tp1 and tp2, 8 rounds each                                          (about 150 s)
 # Merge a patch if b and c pass and a shows its gain; report a's numbers either way.
 source bench/results/hang_s29/common.sh
 tree() {  # name diffs...: a copy of this checkout with the diffs applied, at /tmp/tree_<name>
@@ -38,7 +40,7 @@ case "$1" in
   b) cd $both_dir && GPU_CHECK_FILES=single GPU_CHECK_LANES=2 bash scripts/gpu_check.sh tests ;;
   c) cd $both_dir && GPU_CHECK_FILES=multi GPU_CHECK_K="nemotron_h or tiny-llama" \
        bash scripts/gpu_check.sh tests ;;
-  *) echo "usage: $0 a|b|c"; exit 2 ;;
+  d) run probe 300 python bench/results/s32/step_times_probe.py 8
+     grep round $OUT/probe.log ;;
+  *) echo "usage: $0 a|b|c|d"; exit 2 ;;
 esac
-# Then, if device time is left (two GPUs, about 150 s): NEXT.md item 2's probe,
-#   run probe 300 python bench/results/s32/step_times_probe.py 8
