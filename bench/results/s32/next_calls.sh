@@ -2,7 +2,7 @@
 # For session 33: two CPU-tested patches for NemotronH's decode step, not merged, against
 # main: relu2_epilogue.diff (squared ReLU inside the up projection) and, on top of it,
 # mamba_decode_fused.diff (the conv update inside the selective state update, the conv
-# state a ring). One part per device call: bash bench/results/s32/next_calls.sh a|b|c
+# state a ring). One part per device call: bash bench/results/s32/next_calls.sh a|b|c|d
 #   a  (two GPUs) A/B in one call, each tree in turn: bench_hybrid tp1 tp2 decode and
 #      bench_kernels (kernels per layer) on main, main + relu2, main + both; then
 #      bench_skinny_linear's nemotron rows                                  (about 450 s)
