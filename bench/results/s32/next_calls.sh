@@ -33,10 +33,13 @@ case "$1" in
        in_tree $dir kernels_$name 120 python bench/bench_kernels.py --models nemotron-h-8b \
          --label $name
        tail -6 $OUT/kernels_$name.log
+       cp $dir/bench/results/bench_hybrid.json $OUT/hybrid_$name.json
+       cp $dir/bench/results/bench_kernels.json $OUT/kernels_$name.json
      done
      in_tree $both_dir skinny 120 python bench/bench_skinny_linear.py \
        --models nemotron-h-8b "nemotron-h-8b tp2"
-     tail -14 $OUT/skinny.log ;;
+     tail -14 $OUT/skinny.log
+     cp $both_dir/bench/results/bench_skinny_linear.json $OUT/skinny.json ;;
   b) cd $both_dir && GPU_CHECK_FILES=single GPU_CHECK_LANES=2 bash scripts/gpu_check.sh tests ;;
   c) cd $both_dir && GPU_CHECK_FILES=multi GPU_CHECK_K="nemotron_h or tiny-llama" \
        bash scripts/gpu_check.sh tests ;;
