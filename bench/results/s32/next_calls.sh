@@ -34,7 +34,7 @@ case "$1" in
          --label $name
        tail -6 $OUT/kernels_$name.log
        cp $dir/bench/results/bench_hybrid.json $OUT/hybrid_$name.json
-       cp $dir/bench/results/bench_kernels.json $OUT/kernels_$name.json
+       cp $dir/bench/results/bench_kernels_$name.json $OUT/kernels_$name.json
      done
      in_tree $both_dir skinny 120 python bench/bench_skinny_linear.py \
        --models nemotron-h-8b "nemotron-h-8b tp2"
