@@ -25,13 +25,7 @@ import model_suite as suite  # noqa: E402
 MODEL = "nemotron-h-8b"
 SETUPS = {
     "tp1": suite.Setup({"model": MODEL}),
-    "tp2": suite.Setup({"model": MODEL, "tensor_parallel_size": 2}),
-    # every all-reduce through NCCL (on request)
-    "tp2-nccl": suite.Setup({"model": MODEL, "tensor_parallel_size": 2,
-                             "disable_custom_all_reduce": True}, parts=("decode", "offline")),
-    # small all-reduces through torch symmetric memory (on request)
-    "tp2-symm-mem": suite.Setup({"model": MODEL, "tensor_parallel_size": 2,
-                                 "enable_torch_symm_mem": True}, parts=("decode", "offline")),
+    **suite.tensor_parallel_setups(MODEL),  # tp2-nccl and tp2-symm-mem on request
 }
 
 
@@ -43,7 +37,7 @@ def report(rows: list[dict]) -> None:
                                least_speedup(rows, config, max_tokens=256), "≥ 2")
         suite.print_target(f"{config}: decode step at batch 1 / weight-read floor",
                            suite.value(rows, config, "decode", "x_floor", batch_size=1), "≤ 1.35")
-    for config in ("tp2", "tp2-nccl", "tp2-symm-mem"):
+    for config in suite.TP2_CONFIGS:
         suite.print_config_ratio(f"{config} / tp1 decode step at batch 1", rows, config, "tp1",
                                  "decode", "ms_per_step", "≤ 0.62", batch_size=1)
 

@@ -38,17 +38,10 @@ from common import decode_weight_bytes  # noqa: E402
 from bcg.models.qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
 MODEL = "qwen3-30b-a3b"
-TWO_RANKS = {"model": MODEL, "tensor_parallel_size": 2}
-EXPERT_PARALLEL = {**TWO_RANKS, "enable_expert_parallel": True}
+EXPERT_PARALLEL = {"model": MODEL, "tensor_parallel_size": 2, "enable_expert_parallel": True}
 SETUPS = {
     "tp1": suite.Setup({"model": MODEL}),
-    "tp2": suite.Setup(TWO_RANKS),
-    # every all-reduce through NCCL (on request)
-    "tp2-nccl": suite.Setup({**TWO_RANKS, "disable_custom_all_reduce": True},
-                            parts=("decode", "offline")),
-    # small all-reduces through torch symmetric memory (on request)
-    "tp2-symm-mem": suite.Setup({**TWO_RANKS, "enable_torch_symm_mem": True},
-                                parts=("decode", "offline")),
+    **suite.tensor_parallel_setups(MODEL),  # tp2-nccl and tp2-symm-mem on request
     "ep2-allreduce": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "allreduce"}),
     "ep2-alltoall": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall"}),
     "ep2-alltoall-blocks": suite.Setup({**EXPERT_PARALLEL, "ep_dispatch": "alltoall",

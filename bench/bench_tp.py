@@ -23,19 +23,13 @@ import model_suite as suite  # noqa: E402
 MODEL = "qwen3-8b"
 SETUPS = {
     "tp1": suite.Setup({"model": MODEL}, parts=("decode", "offline")),
-    "tp2": suite.Setup({"model": MODEL, "tensor_parallel_size": 2}),
-    # every all-reduce through NCCL
-    "tp2-nccl": suite.Setup({"model": MODEL, "tensor_parallel_size": 2,
-                             "disable_custom_all_reduce": True}, parts=("decode", "offline")),
-    # small all-reduces through torch symmetric memory instead of NCCL
-    "tp2-symm-mem": suite.Setup({"model": MODEL, "tensor_parallel_size": 2,
-                                 "enable_torch_symm_mem": True}, parts=("decode", "offline")),
+    **suite.tensor_parallel_setups(MODEL),
 }
 
 
 def report(rows: list[dict]) -> None:
     suite.print_tables(rows)
-    for config in ("tp2", "tp2-nccl", "tp2-symm-mem"):
+    for config in suite.TP2_CONFIGS:
         suite.print_config_ratio(f"{config} / tp1 decode step at batch 1", rows, config, "tp1",
                                  "decode", "ms_per_step", "≤ 0.62", batch_size=1)
         suite.print_config_ratio(f"{config} / tp1 output tok/s", rows, config, "tp1",

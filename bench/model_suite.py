@@ -93,6 +93,20 @@ class Setup:
         return self.engine_args.get("tensor_parallel_size", 1)
 
 
+TP2_CONFIGS = ("tp2", "tp2-nccl", "tp2-symm-mem")  # tp2 and its all-reduce variants
+
+
+def tensor_parallel_setups(model: str) -> dict[str, Setup]:
+    """`model` at two ranks (`tp2`: decode-sized all-reduces through the custom all-reduce,
+    the default) and, decode and offline, with every all-reduce through NCCL (`tp2-nccl`)
+    and with the small ones through torch symmetric memory (`tp2-symm-mem`)."""
+    two_ranks = {"model": model, "tensor_parallel_size": 2}
+    variants = ("decode", "offline")
+    return {"tp2": Setup(two_ranks),
+            "tp2-nccl": Setup({**two_ranks, "disable_custom_all_reduce": True}, variants),
+            "tp2-symm-mem": Setup({**two_ranks, "enable_torch_symm_mem": True}, variants)}
+
+
 def prefill_rows(engine_args: dict, shapes: Iterable[tuple[int, int]] = PREFILL_SHAPES,
                  modes: Iterable[str] = PREFILL_MODES, trials: int = 5) -> list[dict]:
     """A row per (mode, batch, tokens): ms of the engine step that prefills `batch` fresh
