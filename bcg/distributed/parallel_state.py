@@ -119,8 +119,7 @@ class TensorParallel:
 
 _current = TensorParallel()
 _abandoned: str | None = None  # why this process may not join a group again
-# A peer of the group failed (`release_custom_all_reduce_waits`); reset as a group forms.
-_waits_released = False
+_waits_released = False  # a peer of the group failed (`release_custom_all_reduce_waits`)
 
 
 def tensor_parallel() -> TensorParallel:
@@ -194,7 +193,8 @@ def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = Non
     workers that rank 0 spawned: `spawned_group_store`). On a GPU `device` binds the group
     to it: NCCL's communicator is then created here, not at the first collective (inside a
     step or a graph capture)."""
-    global _current, _waits_released
+    global _current
+    global _waits_released
     if size == 1:
         _current = TensorParallel()
         return _current
@@ -261,11 +261,11 @@ def local_rank() -> int:
 def destroy_tensor_parallel() -> None:
     """Leave the group (reset every CUDA graph that captured a collective first: destroying
     the group under live graphs hangs)."""
-    global _current
+    global _current, _waits_released
     set_custom_all_reduce(None)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _current = TensorParallel()
+    _current, _waits_released = TensorParallel(), False
 
 
 def refuse_if_abandoned() -> None:
@@ -278,6 +278,6 @@ def refuse_if_abandoned() -> None:
 def abandon_tensor_parallel(reason: str) -> None:
     """Forget the group without touching it (its abort did not return: any call into it may
     wait for good); this process refuses to join another one."""
-    global _current, _abandoned
+    global _current, _abandoned, _waits_released
     _abandoned = reason
-    _current = TensorParallel()
+    _current, _waits_released = TensorParallel(), False
