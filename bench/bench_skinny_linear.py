@@ -1,11 +1,13 @@
 """Decode-sized linear layers (1 to 16 rows, bf16): cuBLAS (`F.linear`) against the skinny
 kernel (`bcg/kernels/skinny_linear.py`), on the projections of qwen3-0.6b, qwen3-8b at tp1
-and tp2, and qwen3-30b-a3b's attention. The MLP's gate/up projection is timed as the engine
-runs it, the GEMM then SiLU-and-mul, against the kernel with the activation fused.
+and tp2, qwen3-30b-a3b's attention and nemotron-h-8b's MLP at tp1 and tp2 (its attention
+has qwen3-8b's shapes). The MLP's first projection is
+timed as the engine runs it, the GEMM then the activation (SiLU-and-mul of gate/up, or
+NemotronH's squared ReLU of up), against the kernel with the activation fused.
 
 Each call is timed inside a CUDA graph of `CALLS` calls, cycling through copies of the
 weight that together exceed the L2 cache (each call reads its weight from HBM, as in a
-model). Rows carry `model`, `proj`, `rows`, `n`, `k`, `gated`, `cublas_us`, `skinny_us`,
+model). Rows carry `model`, `proj`, `rows`, `n`, `k`, `activation`, `cublas_us`, `skinny_us`,
 `skinny_over_cublas`, `floor_us` (the weight's bytes over the measured HBM bandwidth) and
 the kernel's config, and `engine_uses` (whether the engine takes the kernel for the shape:
 `skinny_linear.fills_device`); `--tune` sweeps configs per shape and row count and keeps
@@ -35,7 +37,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from bcg.kernels.activation import silu_and_mul  # noqa: E402
+from bcg.kernels.activation import relu_squared, silu_and_mul  # noqa: E402
 from bcg.kernels.skinny_linear import (  # noqa: E402
     CONFIGS,
     SkinnyConfig,
@@ -44,30 +46,40 @@ from bcg.kernels.skinny_linear import (  # noqa: E402
 )
 from bcg.models.presets import PRESETS  # noqa: E402
 
-# (preset, tensor-parallel size, whether its MLP is dense: MoE experts are another kernel's)
-MODELS = [("qwen3-0.6b", 1, True), ("qwen3-8b", 1, True), ("qwen3-8b", 2, True),
-          ("qwen3-30b-a3b", 1, False)]
+# (preset, tensor-parallel size, its projections timed: MoE experts are another kernel's,
+# and nemotron-h-8b's attention has qwen3-8b's shapes)
+MODELS = [("qwen3-0.6b", 1, "attention mlp"), ("qwen3-8b", 1, "attention mlp"),
+          ("qwen3-8b", 2, "attention mlp"), ("qwen3-30b-a3b", 1, "attention"),
+          ("nemotron-h-8b", 1, "mlp"), ("nemotron-h-8b", 2, "mlp")]
 
 
-def projections(preset: str, tp: int, dense_mlp: bool) -> dict[str, tuple[int, int, bool]]:
-    """One rank's projections of `preset`: name -> (N, K, gated), the weight `[N, K]`; a
-    gated one's output halves go through SiLU-and-mul. KV heads are replicated below tp."""
+def projections(preset: str, tp: int, parts: str) -> dict[str, tuple[int, int, str | None]]:
+    """One rank's projections of `preset` among `parts` ("attention", "mlp"): name -> (N, K,
+    activation), the weight `[N, K]` (`skinny_linear`'s activations; SiLU-and-mul halves
+    N). KV heads are replicated below tp. A hybrid's MLP (NemotronH) is up, squared ReLU,
+    down; the others' gate/up, down."""
     c = PRESETS[preset]
     hidden, head_dim = c["hidden_size"], c["head_dim"]
-    q_width = c["num_attention_heads"] * head_dim // tp
-    kv_width = max(1, c["num_key_value_heads"] // tp) * head_dim
-    shapes = {"qkv": (q_width + 2 * kv_width, hidden, False), "o": (hidden, q_width, False)}
-    if dense_mlp:
+    shapes = {}
+    if "attention" in parts:
+        q_width = c["num_attention_heads"] * head_dim // tp
+        kv_width = max(1, c["num_key_value_heads"] // tp) * head_dim
+        shapes.update(qkv=(q_width + 2 * kv_width, hidden, None), o=(hidden, q_width, None))
+    if "mlp" in parts:
         intermediate = c["intermediate_size"] // tp
-        shapes.update(gate_up=(2 * intermediate, hidden, True),
-                      down=(hidden, intermediate, False))
+        if "hybrid_override_pattern" in c:
+            shapes["up"] = (intermediate, hidden, "relu_squared")
+        else:
+            shapes["gate_up"] = (2 * intermediate, hidden, "silu_and_mul")
+        shapes["down"] = (hidden, intermediate, None)
     return shapes
 
 
 SHAPES = {(preset if tp == 1 else f"{preset} tp{tp}", proj): shape
-          for preset, tp, dense_mlp in MODELS
-          for proj, shape in projections(preset, tp, dense_mlp).items()}
+          for preset, tp, parts in MODELS
+          for proj, shape in projections(preset, tp, parts).items()}
 CALLS = 24
+ACTIVATION_LABELS = {None: "", "silu_and_mul": " +silu", "relu_squared": " +relu2"}
 L2_BYTES = 50 * 2**20  # the H100's; copies of a weight fill at least twice this
 DTYPE = torch.bfloat16
 # each config compiles once per shape: 12 of them keep a full sweep to a few minutes
@@ -94,55 +106,58 @@ def cycled(call, weights: list[torch.Tensor]) -> list:
     return [functools.partial(call, weights[i % len(weights)]) for i in range(CALLS)]
 
 
-def cublas(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
-    """The engine's path without the kernel."""
+def cublas(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The engine's path without the kernel: the GEMM, then the activation's own launch."""
     out = F.linear(x, weight)
-    return silu_and_mul(out) if gated else out
+    if activation == "silu_and_mul":
+        return silu_and_mul(out)
+    return relu_squared(out, out=out) if activation == "relu_squared" else out
 
 
-def cublas_calls(x: torch.Tensor, weights: list[torch.Tensor], gated: bool) -> list:
+def cublas_calls(x: torch.Tensor, weights: list[torch.Tensor], activation: str | None) -> list:
     def call(weight: torch.Tensor) -> torch.Tensor:
-        return cublas(x, weight, gated)
+        return cublas(x, weight, activation)
 
     return cycled(call, weights)
 
 
-def skinny_calls(x: torch.Tensor, weights: list[torch.Tensor], gated: bool,
+def skinny_calls(x: torch.Tensor, weights: list[torch.Tensor], activation: str | None,
                  config: SkinnyConfig) -> list:
     def call(weight: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, weight, gated=gated, config=config)
+        return skinny_linear(x, weight, activation=activation, config=config)
 
     return cycled(call, weights)
 
 
-def check(x: torch.Tensor, weight: torch.Tensor, gated: bool, config: SkinnyConfig) -> None:
+def check(x: torch.Tensor, weight: torch.Tensor, activation: str | None,
+          config: SkinnyConfig) -> None:
     """The kernel's output against cuBLAS's (bf16 rounding apart)."""
-    ours = skinny_linear(x, weight, gated=gated, config=config).float()
-    theirs = cublas(x, weight, gated).float()
+    ours = skinny_linear(x, weight, activation=activation, config=config).float()
+    theirs = cublas(x, weight, activation).float()
     error = ((ours - theirs).norm() / theirs.norm()).item()
     if error > 2e-2:
         raise AssertionError(f"skinny_linear is {error:.2e} from cuBLAS with {config}")
 
 
 def measure(model: str, proj: str, rows: int, hbm_gbs: float, tune: bool) -> dict:
-    n, k, gated = SHAPES[(model, proj)]
+    n, k, activation = SHAPES[(model, proj)]
     weight_bytes = n * k * DTYPE.itemsize
     copies = max(1, -(-2 * L2_BYTES // weight_bytes))
     weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") * k**-0.5 for _ in range(copies)]
     x = torch.randn(rows, k, dtype=DTYPE, device="cuda")
-    cublas_us = graph_us(cublas_calls(x, weights, gated))
+    cublas_us = graph_us(cublas_calls(x, weights, activation))
     timings = []
     for config in TUNE_GRID if tune else [CONFIGS.gpu]:
         try:
-            check(x, weights[0], gated, config)
-            timings.append((graph_us(skinny_calls(x, weights, gated, config)), config))
+            check(x, weights[0], activation, config)
+            timings.append((graph_us(skinny_calls(x, weights, activation, config)), config))
         except Exception as error:  # out of shared memory or registers: skip the config
             print(f"  {model} {proj} rows {rows} {config}: {type(error).__name__}: {error}")
     best_us, best = min(timings, key=lambda t: t[0])
-    return {"model": model, "proj": proj, "rows": rows, "n": n, "k": k, "gated": gated,
+    return {"model": model, "proj": proj, "rows": rows, "n": n, "k": k, "activation": activation,
             "cublas_us": cublas_us, "skinny_us": best_us, "skinny_over_cublas": best_us / cublas_us,
             "floor_us": weight_bytes / (hbm_gbs * 1e9) * 1e6, "config": asdict(best),
-            "tuned": tune, "engine_uses": fills_device(weights[0], gated)}
+            "tuned": tune, "engine_uses": fills_device(weights[0], activation)}
 
 
 def main() -> None:
@@ -163,7 +178,7 @@ def main() -> None:
     print_table(f"decode-sized linear layers, µs per call in CUDA graphs (HBM {hbm_gbs:.0f} GB/s)",
                 ["model", "proj", "rows", "N x K", "cuBLAS", "skinny", "skinny/cuBLAS",
                  "floor", "config", "engine uses"],
-                [[r["model"], r["proj"] + (" +silu" if r["gated"] else ""), r["rows"],
+                [[r["model"], r["proj"] + ACTIVATION_LABELS[r["activation"]], r["rows"],
                   f"{r['n']}x{r['k']}", r["cublas_us"], r["skinny_us"],
                   r["skinny_over_cublas"], r["floor_us"],
                   "/".join(map(str, r["config"].values())), r["engine_uses"]] for r in rows])

@@ -1,6 +1,7 @@
 """The skinny linear kernel (decode-sized rows) against PyTorch: plain, with bias, with
-SiLU-and-mul fused on its output, on shapes whose N and K do and do not divide its tiles, a
-strided input and a row count of zero; bad arguments are refused with their shapes."""
+SiLU-and-mul or squared ReLU fused on its output, on shapes whose N and K do and do not
+divide its tiles, a strided input and a row count of zero; bad arguments are refused with
+their shapes."""
 
 from __future__ import annotations
 
@@ -24,26 +25,29 @@ def rand(*shape: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              gated: bool) -> torch.Tensor:
+              activation: str | None) -> torch.Tensor:
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    if gated:
+    if activation == "silu_and_mul":
         gate, up = out.chunk(2, dim=-1)
         out = F.silu(gate) * up
+    if activation == "relu_squared":
+        out = torch.relu(out).square()
     return out
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu-and-mul"])
+@pytest.mark.parametrize("activation", [None, "silu_and_mul", "relu_squared"],
+                         ids=["plain", "silu-and-mul", "relu-squared"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_it_matches_pytorch(rows, n, k, with_bias, gated):
+def test_it_matches_pytorch(rows, n, k, with_bias, activation):
     generator = torch.Generator().manual_seed(rows * 7 + n + k)
     x = rand(rows, k, generator=generator)
-    weight = rand(2 * n if gated else n, k, generator=generator)
+    weight = rand(2 * n if activation == "silu_and_mul" else n, k, generator=generator)
     bias = rand(weight.shape[0], generator=generator) if with_bias else None
-    out = skinny.skinny_linear(x, weight, bias, gated=gated)
+    out = skinny.skinny_linear(x, weight, bias, activation=activation)
     assert out.shape == (rows, n) and out.dtype == DTYPE
-    assert relative_error(out, reference(x, weight, bias, gated)) <= TOLERANCE
+    assert relative_error(out, reference(x, weight, bias, activation)) <= TOLERANCE
 
 
 def test_a_strided_input_and_an_output_view():
@@ -54,7 +58,7 @@ def test_a_strided_input_and_an_output_view():
     weight = rand(n, k, generator=generator)
     out = torch.zeros(4, n + 5, dtype=DTYPE, device=DEVICE)[:, :n]
     skinny.skinny_linear(x, weight, out=out)
-    assert relative_error(out, reference(x, weight, None, False)) <= TOLERANCE
+    assert relative_error(out, reference(x, weight, None, None)) <= TOLERANCE
 
 
 def test_no_rows_launch_nothing():
@@ -67,18 +71,26 @@ def test_no_rows_launch_nothing():
     (skinny.MAX_ROWS + 1, 48, DTYPE, 32, "at most 16 rows"),
     (2, 47, DTYPE, 32, "K columns"),
     (2, 48, torch.float16 if DTYPE != torch.float16 else torch.bfloat16, 32, "weight's dtype"),
-    (2, 48, DTYPE, 33, r"\[2N, K\] if gated"),
+    (2, 48, DTYPE, 33, r"\[2N, K\] under SiLU-and-mul"),
 ])
 def test_bad_arguments_are_refused(rows, width, dtype, weight_rows, message):
     weight = torch.zeros(weight_rows, 48, dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match=message):
         skinny.skinny_linear(torch.zeros(rows, width, dtype=dtype, device=DEVICE), weight,
-                             gated=True)
+                             activation="silu_and_mul")
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_a_weight_fills_the_device_with_a_program_per_two_multiprocessors(gated):
-    columns = skinny.CONFIGS.for_device(ON_GPU).block_n * (2 if gated else 1)
+def test_an_unknown_activation_is_refused():
+    weight = torch.zeros(32, 48, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        skinny.skinny_linear(weight[:2], weight, activation="gelu")
+
+
+@pytest.mark.parametrize("activation", [None, "silu_and_mul", "relu_squared"])
+def test_a_weight_fills_the_device_with_a_program_per_two_multiprocessors(activation):
+    columns = skinny.CONFIGS.for_device(ON_GPU).block_n * (2 if activation == "silu_and_mul"
+                                                           else 1)
     half = -(-skinny.multiprocessor_count(DEVICE) // 2)
-    assert skinny.fills_device(torch.empty(columns * half, 8, device=DEVICE), gated)
-    assert not skinny.fills_device(torch.empty(columns * (half - 1), 8, device=DEVICE), gated)
+    assert skinny.fills_device(torch.empty(columns * half, 8, device=DEVICE), activation)
+    assert not skinny.fills_device(torch.empty(columns * (half - 1), 8, device=DEVICE),
+                                   activation)

@@ -17,7 +17,7 @@ from torch import nn
 from bcg.graph import CaptureNeedsWarmUp, abandon_capture
 from bcg.kernels import _launch as launch
 from bcg.kernels._launch import CachedLauncher
-from bcg.layers.activation import ReluSquared
+from bcg.layers.activation import relu_squared as relu_squared_layer
 from bcg.layers.activation import silu_and_mul as silu_and_mul_layer
 from bcg.layers.attention_ref import store_kv as store_kv_ref
 from bcg.layers.norm import GatedRMSNorm, RMSNorm
@@ -209,7 +209,7 @@ def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
 @pytest.mark.parametrize("width", [64, 1000, 3072])
 def test_relu_squared_matches_layer_in_place(num_tokens: int, width: int) -> None:
     x = rand(num_tokens, width, generator=torch.Generator().manual_seed(width))
-    expected = ReluSquared()(cpu32(x))
+    expected = relu_squared_layer(cpu32(x))
     out = activation.relu_squared(x, out=x)
     assert out is x
     assert relative_error(out, expected) <= TOLERANCE

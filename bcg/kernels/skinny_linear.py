@@ -1,15 +1,16 @@
 """Linear layers of decode-sized steps (at most `MAX_ROWS` rows): `x @ weight.T (+ bias)`
-in one launch, optionally with SiLU-and-mul fused on the output.
+in one launch, optionally with the MLP's activation fused on the output.
 
 With a few rows a linear layer only streams its weight, so its time is the weight's bytes
 over the memory bandwidth plus the cost of each launch. cuBLAS splits K for such shapes and
 sums the parts in a second kernel (on two H100s, qwen3-8b's o projection at tp2 takes 11.8
 µs plus a 1.7 µs reduction against 5.6 µs of weight reads). Here each program owns
 `block_n` output columns and reads the whole K for them: enough programs to fill the GPU for
-the projections of 1B-and-up models, one launch, no workspace. The MLP's gate/up projection
-can apply SiLU-and-mul to its two halves as it writes them (`gated=True`): a program owns the
-same columns of both, which saves the activation's own launch and a round trip through
-memory. (Fusing it into the down projection's input instead, recomputed by every program,
+the projections of 1B-and-up models, one launch, no workspace. The MLP's first projection
+applies its activation as it writes its output: SiLU-and-mul of the gate/up projection's two
+halves (`activation="silu_and_mul"`: a program owns the same columns of both) or NemotronH's
+squared ReLU (`"relu_squared"`), which saves the activation's own launch and a round trip
+through memory. (Fusing it into the down projection's input instead, recomputed by every program,
 ran 6-7x slower than cuBLAS on an H200.) The layers choose the kernel in
 `bcg.layers.triton_ops.uses_skinny_linear`.
 """
@@ -31,6 +32,8 @@ from bcg.kernels._launch import (
 from bcg.utils import cdiv
 
 MAX_ROWS = 16  # the smallest tile tl.dot multiplies; more rows go to cuBLAS
+# What the kernel can apply to its output; "silu_and_mul" halves it (`[gate | up]`).
+ACTIVATIONS = (None, "silu_and_mul", "relu_squared")
 
 
 @dataclass(frozen=True)
@@ -47,38 +50,42 @@ CONFIGS = DeviceConfigs(gpu=SkinnyConfig(32, 256, 4, 4),
                         interpreter=SkinnyConfig(16, 16, 1, 1))
 
 
-def fills_device(weight: torch.Tensor, gated: bool = False) -> bool:
+def fills_device(weight: torch.Tensor, activation: str | None = None) -> bool:
     """Whether `weight` has the output columns to give half the multiprocessors a program
-    (a gated one reads two weight tiles per program): fewer programs cannot stream the
-    weight at full speed without splitting K. On an H200, 96 programs still beat cuBLAS
-    and 64 did not."""
-    columns = weight.shape[0] // (2 if gated else 1)
+    (under SiLU-and-mul one reads two weight tiles per program): fewer programs cannot
+    stream the weight at full speed without splitting K. On an H200, 96 programs still beat
+    cuBLAS and 64 did not."""
+    columns = weight.shape[0] // (2 if activation == "silu_and_mul" else 1)
     programs = cdiv(columns, CONFIGS.for_device(weight.is_cuda).block_n)
     return 2 * programs >= multiprocessor_count(weight.device)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  gated: bool = False, out: torch.Tensor | None = None,
+                  activation: str | None = None, out: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias`, or with `gated` `silu(gate) * up` of its two halves `[gate |
-    up]` (the activation on the fp32 sums, then rounded to `x`'s dtype).
+    """`act(x @ weight.T + bias)`, the activation on the fp32 sums, then rounded to `x`'s
+    dtype: none, `"silu_and_mul"` (`silu(gate) * up` of the output's halves `[gate | up]`)
+    or `"relu_squared"` (`relu(y) ** 2`).
 
     Args:
         x: `[rows, K]`, rows <= MAX_ROWS, last dim contiguous.
-        weight: `[N, K]` (`[2N, K]`, the gate's rows then the up's, if gated), last dim
-            contiguous, `x`'s dtype.
-        bias: `[N]` (`[2N]` if gated) or None.
+        weight: `[N, K]` (`[2N, K]`, the gate's rows then the up's, under SiLU-and-mul),
+            last dim contiguous, `x`'s dtype.
+        bias: `[N]` (`[2N]` under SiLU-and-mul) or None.
         out: `[rows, N]` (allocated if None).
         config: tiles and launch options (default: `CONFIGS` for the device).
 
     Returns `out`.
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    gated = activation == "silu_and_mul"
     rows, width = x.shape
     weight_rows, k = weight.shape
     if rows > MAX_ROWS or width != k or x.dtype != weight.dtype or (gated and weight_rows % 2):
         raise ValueError(
             f"skinny_linear takes at most {MAX_ROWS} rows of K columns in weight's dtype for a "
-            f"weight [N, K] ([2N, K] if gated); got x {tuple(x.shape)} {x.dtype}, weight "
+            f"weight [N, K] ([2N, K] under SiLU-and-mul); got x {tuple(x.shape)} {x.dtype}, weight "
             f"{tuple(weight.shape)} {weight.dtype}")
     if bias is not None and bias.shape != (weight_rows,):
         raise ValueError(f"bias must be [{weight_rows}], got {tuple(bias.shape)}")
@@ -95,7 +102,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         tensors,
         (rows,),
         {"N": n, "K": k, "STRIDE_X": x.stride(0), "STRIDE_W": weight.stride(0),
-         "STRIDE_OUT": out.stride(0), "GATED": gated, "HAS_BIAS": bias is not None,
+         "STRIDE_OUT": out.stride(0), "GATED": gated,
+         "RELU_SQUARED": activation == "relu_squared", "HAS_BIAS": bias is not None,
          "EVEN_N": n % config.block_n == 0, "EVEN_K": k % config.block_k == 0,
          # fp32 (CPU tests) multiplies exactly; bf16 and fp16 use the tensor cores either way
          "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
@@ -116,6 +124,7 @@ def _skinny_linear_kernel(
     STRIDE_W: tl.constexpr,
     STRIDE_OUT: tl.constexpr,
     GATED: tl.constexpr,
+    RELU_SQUARED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -147,6 +156,9 @@ def _skinny_linear_kernel(
             acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
+    if RELU_SQUARED:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
     out_ptrs = out_ptr + rows[:, None] * STRIDE_OUT + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from bcg.layers import triton_ops
 from bcg.layers.triton_ops import use_fused_kernels
@@ -18,11 +17,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class ReluSquared(nn.Module):
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """`relu(x) ** 2`; on the fused kernel in place (`x` is the up projection's output, read
     by nothing else)."""
+    if use_fused_kernels(x):
+        return triton_ops.relu_squared(x, out=x)
+    return torch.relu(x).square()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(x):
-            return triton_ops.relu_squared(x, out=x)
-        return torch.relu(x).square()
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """`x` through the MLP activation named, `"silu_and_mul"` or `"relu_squared"` (the
+    skinny kernel's `ACTIVATIONS`; on CUDA the latter squares `x` in place)."""
+    if activation == "silu_and_mul":
+        return silu_and_mul(x)
+    if activation == "relu_squared":
+        return relu_squared(x)
+    raise ValueError(f"unknown activation {activation!r}: None, 'silu_and_mul' or "
+                     "'relu_squared'")

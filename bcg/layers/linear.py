@@ -19,7 +19,7 @@ from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.layers import triton_ops
-from bcg.layers.activation import silu_and_mul
+from bcg.layers.activation import activate
 
 if TYPE_CHECKING:
     from bcg.layers.norm import RMSNorm
@@ -63,16 +63,17 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(sum(local_outputs)), requires_grad=False)
                      if bias else None)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """`x W^T + bias` (into `out` if given), with `gated` then SiLU-and-mul of the output's
-        halves `[gate | up]` (no `out` then). Decode-sized steps on CUDA take the skinny
-        kernel, the activation fused (one launch); the rest cuBLAS."""
-        assert not (gated and out is not None), "a gated projection writes a new tensor"
-        if triton_ops.uses_skinny_linear(x, self.weight, gated):
-            return triton_ops.skinny_linear(x, self.weight, bias, gated=gated, out=out)
-        if gated:
-            return silu_and_mul(F.linear(x, self.weight, bias))
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+               activation: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T + bias` (into `out` if given, with no activation), then `activation`:
+        `"silu_and_mul"` of the output's halves `[gate | up]` or `"relu_squared"`.
+        Decode-sized steps on CUDA take the skinny kernel, the activation fused (one launch);
+        the rest cuBLAS."""
+        assert activation is None or out is None, "an activated projection writes a new tensor"
+        if triton_ops.uses_skinny_linear(x, self.weight, activation):
+            return triton_ops.skinny_linear(x, self.weight, bias, activation=activation, out=out)
+        if activation is not None:
+            return activate(F.linear(x, self.weight, bias), activation)
         if out is None:
             return F.linear(x, self.weight, bias)
         if bias is None:
@@ -98,10 +99,11 @@ class ColumnParallelLinear(Linear):
         self.rank, self.tp_size = tp.rank, tp.size
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                gated: bool = False) -> torch.Tensor:
+                activation: str | None = None) -> torch.Tensor:
         """`x` `[T, input_size]` -> this rank's `[T, sum(local outputs)]`, into `out` if given;
-        with `gated` (two equal outputs) SiLU-and-mul of them, `[T, local output]`."""
-        return self.matmul(x, self.bias, gated, out)
+        then `activation` (`Linear.matmul`): `"silu_and_mul"` of two equal outputs gives
+        `[T, local output]`."""
+        return self.matmul(x, self.bias, activation, out)
 
     def load_weight(self, name: str, loaded: torch.Tensor, block: int | None = None) -> None:
         """Copy this rank's part of checkpoint tensor `name`: output block `block`, or, with

@@ -54,12 +54,14 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def uses_skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether a linear layer takes `x` through the skinny kernel (`gated`: with SiLU-and-mul
-    on its output): decode-sized rows in a 16-bit dtype on CUDA, outside torch.compile, and
-    a weight wide enough to keep the multiprocessors streaming (cuBLAS takes the rest)."""
+def uses_skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                       activation: str | None = None) -> bool:
+    """Whether a linear layer takes `x` through the skinny kernel (with `activation` on its
+    output: `bcg.kernels.skinny_linear.ACTIVATIONS`): decode-sized rows in a 16-bit dtype on
+    CUDA, outside torch.compile, and a weight wide enough to keep the multiprocessors
+    streaming (cuBLAS takes the rest)."""
     return (use_fused_kernels(x) and x.shape[0] <= SKINNY_MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16) and fills_device(weight, gated))
+            and x.dtype in (torch.bfloat16, torch.float16) and fills_device(weight, activation))
 
 
 def uses_fused_router(x: torch.Tensor, router_weight: torch.Tensor) -> bool:

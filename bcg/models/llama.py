@@ -82,7 +82,8 @@ class LlamaMLP(nn.Module):
         """The MLP's output added to `residual`, then normalised by `norm`: `(normed,
         residual)`."""
         # SiLU-and-mul fused into the gate/up projection where the skinny kernel runs it
-        return self.down_proj.add_and_norm(self.gate_up_proj(x, gated=True), residual, norm)
+        activated = self.gate_up_proj(x, activation="silu_and_mul")
+        return self.down_proj.add_and_norm(activated, residual, norm)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from bcg.layers.activation import ReluSquared
 from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.mamba_mixer import MambaMixer2
@@ -30,13 +29,13 @@ class NemotronHMLP(nn.Module):
                                             bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias)
-        self.act_fn = ReluSquared()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP's output added to `residual`, then normalised by `norm`: `(normed,
         residual)`."""
-        return self.down_proj.add_and_norm(self.act_fn(self.up_proj(x)), residual, norm)
+        activated = self.up_proj(x, activation="relu_squared")
+        return self.down_proj.add_and_norm(activated, residual, norm)
 
 
 class NemotronHBlock(nn.Module):
