@@ -261,11 +261,11 @@ def local_rank() -> int:
 def destroy_tensor_parallel() -> None:
     """Leave the group (reset every CUDA graph that captured a collective first: destroying
     the group under live graphs hangs)."""
-    global _current, _waits_released
+    global _current
     set_custom_all_reduce(None)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _current, _waits_released = TensorParallel(), False
+    _current = TensorParallel()
 
 
 def refuse_if_abandoned() -> None:
@@ -278,6 +278,6 @@ def refuse_if_abandoned() -> None:
 def abandon_tensor_parallel(reason: str) -> None:
     """Forget the group without touching it (its abort did not return: any call into it may
     wait for good); this process refuses to join another one."""
-    global _current, _abandoned, _waits_released
+    global _current, _abandoned
     _abandoned = reason
-    _current, _waits_released = TensorParallel(), False
+    _current = TensorParallel()
