@@ -1,12 +1,15 @@
 #!/bin/bash
-# Session 33's device calls, run on branch s33 (main + the two NemotronH decode patches of
-# bench/results/s32 + the parallel_state mend; s33.diff is all three against main bf598af).
+# Session 33's device calls, run on branch s33 (main + s32's squared-ReLU patch + the parallel_state mend;
+# s33.diff is both against main bf598af; a-c ran with s32's fused Mamba decode as well).
 # One part per device call: bash bench/results/s33/next_calls.sh a|b|c|d
 #   a  (two GPUs) A/B in one call: bench_hybrid tp1 tp2 decode on main, s33, and s33 with
 #      the fused Mamba decode kernel at 8 warps; bench_kernels (kernels per layer) on main
 #      and s33; bench_skinny_linear's nemotron rows on s33
 #   b  (two GPUs) the one-GPU test files in two lanes, on s33
 #   c  (two GPUs) the NemotronH, tiny Llama and dying-worker splits of test_multi_gpu.py
+#   e  (four GPUs) after dropping the fused Mamba decode (a showed it slower at batch 64):
+#      bench_hybrid tp1 tp2 decode on main and s33, then the one-GPU files it touches
+#   f  (four GPUs) the qwen3-32b-tp4 case of test_multi_gpu.py (custom all-reduce at 4 ranks)
 #   d  (two GPUs) s32's probe: per-step times of qwen3-8b decode at batch 64, tp1 and tp2
 source bench/results/hang_s29/common.sh
 tree() {  # name: a copy of this checkout at /tmp/tree_<name>
@@ -44,6 +47,16 @@ PY
   b) GPU_CHECK_FILES=single GPU_CHECK_LANES=2 bash scripts/gpu_check.sh tests ;;
   c) GPU_CHECK_FILES=multi GPU_CHECK_K="nemotron_h or tiny-llama or dying" \
        bash scripts/gpu_check.sh tests ;;
+  e) main_dir=$(tree main); (cd $main_dir && git apply -R bench/results/s33/s33.diff) || exit 1
+     for name in main s33; do
+       dir=/tmp/tree_$name; [ $name = s33 ] && dir=$PWD
+       in_tree $dir hybrid_$name 200 python bench/bench_hybrid.py --configs tp1 tp2 --parts decode
+       sed -n '/decode engine step/,/tp2 \/ tp1/p' $OUT/hybrid_$name.log | grep -E "^ +tp[12] "
+       cp $dir/bench/results/bench_hybrid.json $OUT/hybrid_$name.json
+     done
+     GPU_CHECK_FILES=single \
+       bash scripts/gpu_check.sh "tests skinny small_ops models_hf mamba graph_runners" ;;
+  f) GPU_CHECK_FILES=multi GPU_CHECK_K="qwen3-32b-tp4" bash scripts/gpu_check.sh tests ;;
   d) run probe 300 python bench/results/s32/step_times_probe.py 8
      grep round $OUT/probe.log ;;
   *) echo "usage: $0 a|b|c|d"; exit 2 ;;
