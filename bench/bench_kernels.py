@@ -30,6 +30,7 @@ from common import (  # noqa: E402
 
 from bcg.engine.llm import LLM  # noqa: E402
 from bcg.engine.sampling_params import SamplingParams  # noqa: E402
+from bcg.models.config import ModelConfig  # noqa: E402
 from bcg.models.presets import PRESETS  # noqa: E402
 
 PROMPT_LEN = 128
@@ -70,7 +71,7 @@ def main() -> None:
     rows = []
     for model in args.models:
         kernels = decode_kernels(model)
-        layers = PRESETS[model]["num_hidden_layers"]
+        layers = ModelConfig.from_hf_dict(PRESETS[model]).num_hidden_layers  # hybrids: by pattern
         total = sum(kernels.values())
         rows.append({"model": model, "kernels_per_step": total, "num_layers": layers,
                      "kernels_per_layer": total / layers, "by_name": dict(kernels.most_common())})
