@@ -3,9 +3,10 @@ and overlapped ones: `--overlap`), for the built-in SmolLM2-135M (GGUF weights) 
 Qwen3-0.6B / Qwen3-8B with dummy weights, bf16.
 
 Each case starts `batch` requests with 128-token prompts, runs the prefill, then times
-`DECODE_STEPS` engine steps in which every request decodes one token: tok/s counts the
-tokens of all requests, ms/step is the wall time of one `LLMEngine.step()` (scheduling,
-batch building, the eager forward, sampling and detokenization included).
+`DECODE_ROUNDS` rounds of `DECODE_STEPS` engine steps in which every request decodes one
+token: tok/s counts the tokens of all requests, ms/step is the wall time of one
+`LLMEngine.step()` (scheduling, batch building, the eager forward, sampling and
+detokenization included) in the median round.
 
 Time per output token (tpot) is measured through `LLM.generate`, which has no per-token
 timestamps, as the difference of two calls on fresh 128-token prompts (no prefix-cache hit):
@@ -64,6 +65,7 @@ BATCH_SIZES = [1, 8, 64]
 PROMPT_LEN = 128
 WARMUP_STEPS = 4
 DECODE_STEPS = 32
+DECODE_ROUNDS = 3
 TPOT_TOKENS = 256
 TPOT_REPEATS = 3
 
@@ -75,10 +77,18 @@ def prompts(batch: int, seed: str) -> list[list[int]]:
 
 
 def measure(engine: LLMEngine, batch: int) -> float:
-    """Seconds per decode step with `batch` requests decoding. No request finishes before
-    the timed steps end: the first to start decoding does so up to `batch` steps before the
-    last (chunked prefill), and its max_tokens covers those steps too."""
-    params = SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + DECODE_STEPS + batch + 2,
+    """Seconds per decode step with `batch` requests decoding: the median of `round_seconds`'
+    rounds, so that one round slowed by a stall of the host does not move it."""
+    return statistics.median(round_seconds(engine, batch))
+
+
+def round_seconds(engine: LLMEngine, batch: int) -> list[float]:
+    """Seconds per decode step with `batch` requests decoding, in each of `DECODE_ROUNDS`
+    rounds of `DECODE_STEPS` steps (after `WARMUP_STEPS`). No request finishes before the
+    last round ends: the first to start decoding does so up to `batch` steps before the last
+    (chunked prefill), and its max_tokens covers those steps too."""
+    timed_steps = DECODE_ROUNDS * DECODE_STEPS
+    params = SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + timed_steps + batch + 2,
                             ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in prompts(batch, "steps")]
     started: set[str] = set()
@@ -86,15 +96,20 @@ def measure(engine: LLMEngine, batch: int) -> float:
         started.update(o.request_id for o in engine.step())
     for _ in range(WARMUP_STEPS):
         engine.step()
+    rounds = [timed_round(engine) for _ in range(DECODE_ROUNDS)]
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return rounds
+
+
+def timed_round(engine: LLMEngine) -> float:
+    """Seconds per step of `DECODE_STEPS` engine steps, from an idle GPU to an idle GPU."""
     synchronize()
     start = time.perf_counter()
     for _ in range(DECODE_STEPS):
         engine.step()
     synchronize()
-    seconds = (time.perf_counter() - start) / DECODE_STEPS
-    for request_id in ids:
-        engine.abort_request(request_id)
-    return seconds
+    return (time.perf_counter() - start) / DECODE_STEPS
 
 
 def generate_seconds(llm: LLM, batch: int, max_tokens: int, seed: str) -> float:

@@ -12,8 +12,10 @@ spawns the other ranks, which follow its steps, so every timed step is an
   the interleaving is over the rows of one engine: `trials` rounds, each timing every row in
   turn (the mean of a few steps), after one untimed round (Triton and Inductor compile on
   first use); a row is the median round.
-- decode: bench_decode's `measure` (every request decoding, ms per engine step) at batch
-  sizes 1, 8, 64, with weight-read floors: bytes one forward reads on a rank / HBM bandwidth.
+- decode: bench_decode's `round_seconds` (every request decoding, ms per engine step in each
+  of a few rounds; the row is the median round and keeps all of them in `round_ms`, so a
+  slow round shows) at batch sizes 1, 8, 64, with weight-read floors: bytes one forward
+  reads on a rank / HBM bandwidth.
 - offline: bench_offline's workload through `LLM.generate` (its `run_bcg`, default graphs),
   output tok/s; `--offline-requests N` runs only its first N requests (the row is `scaled`).
 - graphs (only for setups that list it): an engine with the default graphs at the model's
@@ -46,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from bench_decode import measure  # noqa: E402
+from bench_decode import round_seconds  # noqa: E402
 from bench_offline import (  # noqa: E402
     NUM_REQUESTS,
     custom_all_reduce_active,
@@ -204,8 +206,9 @@ def time_decodes(llm: LLM, batch_sizes: list[int], hbm_gbs: float | None,
     custom_all_reduce = custom_all_reduce_active()
     rows = []
     for batch in batch_sizes:
-        ms = measure(llm.engine, batch) * 1e3
-        row = {"part": "decode", "batch_size": batch, "ms_per_step": ms,
+        round_ms = [seconds * 1e3 for seconds in round_seconds(llm.engine, batch)]
+        ms = statistics.median(round_ms)
+        row = {"part": "decode", "batch_size": batch, "ms_per_step": ms, "round_ms": round_ms,
                "tokens_per_s": batch / ms * 1e3, "custom_all_reduce": custom_all_reduce}
         for name, num_bytes in floor_bytes.items():
             row[f"{name}_bytes"] = num_bytes
@@ -461,12 +464,21 @@ def print_prefill_table(rows: list[dict]) -> None:
 
 
 def print_decode_table(rows: list[dict], floor: str = "floor") -> None:
-    """Every decode row with the named floor (`{floor}_ms`, `x_{floor}`)."""
-    common.print_table(f"decode engine step (x {floor} = ms / {floor}_ms)",
-                ["config", "batch", "ms/step", "tok/s", f"{floor} ms", f"x {floor}"],
+    """Every decode row with the named floor (`{floor}_ms`, `x_{floor}`) and the slowest of
+    its rounds over the fastest (a stall shows as one round far above 1)."""
+    common.print_table(f"decode engine step, median round (x {floor} = ms / {floor}_ms)",
+                ["config", "batch", "ms/step", "tok/s", f"{floor} ms", f"x {floor}",
+                 "rounds max/min"],
                 [[r["config"], r["batch_size"], r["ms_per_step"], r["tokens_per_s"],
-                  shown(r.get(f"{floor}_ms")), shown(r.get(f"x_{floor}"))]
+                  shown(r.get(f"{floor}_ms")), shown(r.get(f"x_{floor}")),
+                  shown(round_spread(r))]
                  for r in rows_of(rows, "decode")])
+
+
+def round_spread(row: dict) -> float | None:
+    """The slowest round over the fastest (None for rows from before rounds were kept)."""
+    rounds = row.get("round_ms")
+    return max(rounds) / min(rounds) if rounds else None
 
 
 def print_offline_table(rows: list[dict]) -> None:

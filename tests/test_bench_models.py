@@ -4,6 +4,7 @@ times mean nothing here), at tensor parallel size 2 too (gloo)."""
 
 import importlib
 import json
+import statistics
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tests.hf_tiny import save_tiny_model
 
 model_suite = importlib.import_module("bench.model_suite")
 bench_moe = importlib.import_module("bench.bench_moe")
+bench_decode = importlib.import_module("bench.bench_decode")
 common = importlib.import_module("common")  # the name the benches import it by
 
 # A vocabulary above bench_decode's prompt tokens (up to 5100), contexts of bench_offline's.
@@ -71,6 +73,8 @@ def test_a_setup_measures_decode_and_offline_with_its_facts(qwen3):
         assert row["model"] == qwen3["model"] and row["expert_parallel"] is False
     for row in decode:
         assert row["part"] == "decode" and row["ms_per_step"] > 0
+        assert len(row["round_ms"]) == bench_decode.DECODE_ROUNDS
+        assert row["ms_per_step"] == statistics.median(row["round_ms"])
         assert row["floor_ms"] == pytest.approx(row["floor_bytes"] / 100e9 * 1e3)
         assert row["x_floor"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
     assert offline["part"] == "offline" and offline["requests"] == 1 and offline["scaled"]
@@ -229,6 +233,17 @@ def test_reports_print_the_targets(capsys, bench, expected):
     assert "breakable ≤ piecewise: every row" in out
     for line in expected:
         assert line in out
+
+
+def test_the_decode_table_shows_how_far_apart_a_rows_rounds_are(capsys):
+    """A round slowed by a stall shows as its slowest / fastest; rows from before rounds
+    were kept show a dash."""
+    rows = unstamped_fake_rows(["tp1", "tp2"])
+    rows[[r["part"] for r in rows].index("decode")]["round_ms"] = [10.0, 10.2, 15.0]
+    model_suite.print_decode_table(rows)
+    header, _, tp1, tp2 = capsys.readouterr().out.strip().splitlines()[1:]
+    assert header.endswith("rounds max/min")
+    assert tp1.split()[-1] == "1.500" and tp2.split()[-1] == "-"
 
 
 def test_a_ratio_of_rows_of_different_runs_says_so(capsys):
