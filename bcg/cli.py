@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="0 is greedy (the default); higher is more random")
     sampling.add_argument("--top-p", type=float, default=1.0,
-                          help="sample from the most likely tokens covering this probability (1)")
+                          help="sample from the most likely tokens covering this probability, "
+                          "in (0, 1] (1)")
     sampling.add_argument("--top-k", type=int, default=0,
-                          help="sample from the k most likely tokens; 0 is off (0)")
+                          help="sample from the k most likely tokens; 0 or -1 is off (0)")
     sampling.add_argument("--stop", action="append", default=[],
                           help="stop before this string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true",

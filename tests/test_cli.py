@@ -4,6 +4,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,16 @@ def test_every_flag_is_documented(capsys, command):
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
     for action in subparsers.choices[command]._actions:
         assert action.help, action.option_strings or action.dest
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_flag_is_in_the_readme(command):
+    readme = (Path(bcg.__file__).parent.parent / "README.md").read_text()
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    for action in subparsers.choices[command]._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag not in (None, "--help"):  # a boolean's --X, which its --no-X follows
+            assert flag in readme, f"{command} {flag} is not in README.md"
 
 
 def test_flags_reach_the_engine_config():
@@ -246,6 +257,15 @@ def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
     (["generate", "--top-p", "0", "hi"], "--top-p"),
     (["generate", "--temperature", "nan", "hi"], "--temperature"),
     (["generate", "--max-model-len", "0", "hi"], "--max-model-len"),
+    (["generate", "--max-num-seqs", "0", "hi"], "--max-num-seqs must be in [1, 65535], got 0"),
+    (["generate", "-tp", "0", "hi"], "--tensor-parallel-size must be an integer >= 1, got 0"),
+    (["generate", "--gpu-memory-utilization", "0", "hi"], "--gpu-memory-utilization"),
+    (["generate", "--top-p", "1.5", "hi"], "--top-p must be in (0, 1], got 1.5"),
+    (["generate", "--top-k", "-2", "hi"], "--top-k must be an integer >= 1, or 0 / -1 for off"),
+    (["generate", "--ep-fixed-block-tokens", "-1", "hi"],
+     "--ep-fixed-block-tokens must be > 0, got -1"),
+    (["generate", "--ep-dispatch", "alltoall", "hi"],
+     "--ep-dispatch 'alltoall' applies only to expert parallel: add --enable-expert-parallel"),
     (["generate", "--kv-cache-tokens", "-5", "hi"], "--kv-cache-tokens"),
     (["generate", "--gpu-memory-utilization", "2", "hi"], "--gpu-memory-utilization"),
     (["generate", "--max-num-seqs", "1.5", "hi"], "--max-num-seqs"),
