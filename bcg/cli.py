@@ -16,6 +16,7 @@ import re
 import sys
 import types
 import typing
+from pathlib import Path
 
 from bcg.utils import invalid_unicode, one_line
 
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help=f"prompt text; '{STDIN}' reads the prompt from standard input")
     generate.add_argument("--chat", action="store_true",
                           help="treat each prompt as a user message in the chat template")
+    generate.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                          help="with --chat: a Jinja chat template (a file, or the template "
+                          "itself) instead of the tokenizer's own")
     generate.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
     sampling = generate.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=None,
@@ -98,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "in (0, 1] (1)")
     sampling.add_argument("--top-k", type=int, default=0,
                           help="sample from the k most likely tokens; 0 or -1 is off (0)")
+    sampling.add_argument("--min-p", type=float, default=0.0,
+                          help="drop tokens less likely than this times the most likely one, "
+                          "in [0, 1]; 0 is off (0)")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="subtracted from the logit of every token already generated, "
+                          "in [-2, 2]; 0 is off (0)")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="subtracted once per earlier occurrence of a token in the "
+                          "output, in [-2, 2]; 0 is off (0)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="above 1 makes tokens of the prompt and output less likely, "
+                          "below 1 more; 1 is off (1)")
     sampling.add_argument("--stop", action="append", default=[],
                           help="stop before this string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true",
@@ -159,9 +175,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from bcg.engine.chat import ChatOptions
+
     prompts = _read_prompts(args.prompts)
     config = engine_config_from_args(args)  # bad flags fail before the model loads
     params = _sampling_params(args)
+    chat = ChatOptions(chat_template=_chat_template(args))
     if config.tokenizer is None and config.model_source().tokenizer_path is None:
         raise ValueError(f"{config.model} has no tokenizer and bcg generate takes text: name "
                          "one with --tokenizer (a Hugging Face folder or id)")
@@ -169,7 +188,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**dataclasses.asdict(config))
     # tokenized here once: the default --max-tokens depends on each prompt's length
-    requests = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat
+    requests = [llm.apply_chat_template([{"role": "user", "content": p}], chat) if args.chat
                 else llm.engine.tokenize(p) for p in prompts]
     each = [params if args.max_tokens is not None
             else _default_max_tokens(params, len(ids), llm.engine.max_model_len)
@@ -263,10 +282,29 @@ def _sampling_params(args: argparse.Namespace):
 
     max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     values = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  min_p=args.min_p, presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty,
+                  repetition_penalty=args.repetition_penalty,
                   max_tokens=max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
     if max_tokens < 1:  # LLM(...) takes 0 with prompt_logprobs, which no flag asks for
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     return _naming_flags(list(values), lambda: SamplingParams(**values))
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template's text: a file's, or the value itself where it holds Jinja markup (as
+    vLLM reads it); a value with neither is taken for a path that is not there."""
+    value = args.chat_template
+    if value is None:
+        return None
+    if not args.chat:
+        raise ValueError("--chat-template applies to chat prompts: add --chat")
+    if Path(value).is_file():
+        return Path(value).read_text(encoding="utf-8")
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template: "
+                         "give a template file's path or the template itself")
+    return value
 
 
 def _naming_flags(names: list[str], build):

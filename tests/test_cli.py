@@ -185,6 +185,39 @@ def test_the_default_max_tokens_fits_a_small_max_model_len(monkeypatch, capsys, 
     assert asked == expected
 
 
+def test_sampling_flags_reach_the_sampling_params():
+    args = build_parser().parse_args([
+        "generate", "hi", "--min-p", "0.05", "--presence-penalty", "0.5",
+        "--frequency-penalty", "-0.5", "--repetition-penalty", "1.2", "--top-k", "-1"])
+    params = cli._sampling_params(args)
+    assert (params.min_p, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty, params.top_k) == (0.05, 0.5, -0.5, 1.2, -1)
+
+
+@pytest.mark.parametrize("from_file", [True, False])
+def test_a_chat_template_renders_the_prompt(monkeypatch, capsys, tmp_path, from_file):
+    """--chat-template, a file or the template itself, replaces the tokenizer's template."""
+    require_builtin_model()
+    from bcg.engine.llm_engine import LLMEngine
+
+    template = "{% for m in messages %}Question: {{ m['content'] }}\nAnswer:{% endfor %}"
+    if from_file:
+        (tmp_path / "chat.jinja").write_text(template)
+        template = str(tmp_path / "chat.jinja")
+    prompts = []
+    add_request = LLMEngine.add_request
+
+    def recording(self, prompt, params):
+        prompts.append(self.tokenizer.decode(prompt))
+        return add_request(self, prompt, params)
+
+    monkeypatch.setattr(LLMEngine, "add_request", recording)
+    code = main(["generate", "--device", "cpu", "--max-tokens", "1", "--max-model-len", "64",
+                 "--chat", "--chat-template", template, "Why?"])
+    assert code == 0, capsys.readouterr().err
+    assert prompts == ["Question: Why?\nAnswer:"]
+
+
 class RecordingStdout(io.StringIO):
     """stdout that remembers each write, to see text arrive in pieces."""
 
@@ -266,6 +299,14 @@ def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
      "--ep-fixed-block-tokens must be > 0, got -1"),
     (["generate", "--ep-dispatch", "alltoall", "hi"],
      "--ep-dispatch 'alltoall' applies only to expert parallel: add --enable-expert-parallel"),
+    (["generate", "--min-p", "2", "hi"], "--min-p must be in [0, 1], got 2.0"),
+    (["generate", "--presence-penalty", "3", "hi"],
+     "--presence-penalty must be a number in [-2, 2]"),
+    (["generate", "--repetition-penalty", "0", "hi"], "--repetition-penalty"),
+    (["generate", "--chat-template", "{{ messages }}", "hi"],
+     "--chat-template applies to chat prompts: add --chat"),
+    (["generate", "--chat", "--chat-template", "missing.jinja", "hi"],
+     "--chat-template 'missing.jinja' is neither a file nor a Jinja template"),
     (["generate", "--kv-cache-tokens", "-5", "hi"], "--kv-cache-tokens"),
     (["generate", "--gpu-memory-utilization", "2", "hi"], "--gpu-memory-utilization"),
     (["generate", "--max-num-seqs", "1.5", "hi"], "--max-num-seqs"),

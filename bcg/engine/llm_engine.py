@@ -248,7 +248,8 @@ class LLMEngine:
         require(self.tokenizer is not None,
                 f"this model has no tokenizer, which a chat needs: {NAME_A_TOKENIZER}")
         require(options.chat_template is not None or self.tokenizer.chat_template is not None,
-                "this model's tokenizer has no chat template: pass one (chat_template) or "
+                "this model's tokenizer has no chat template: pass one (chat_template; "
+                "--chat-template on the command line) or "
                 "send plain text prompts")
         conversation = template_messages(messages)
         try:
