@@ -69,6 +69,21 @@ def engine_config_from_args(args: argparse.Namespace):
     return _naming_flags(names, lambda: EngineConfig(**{n: getattr(args, n) for n in names}))
 
 
+# generate's float sampling flags: (flag, default, help); SamplingParams checks the values
+FLOAT_SAMPLING_FLAGS = (
+    ("--temperature", 0.0, "0 is greedy; higher is more random"),
+    ("--top-p", 1.0, "sample from the most likely tokens covering this probability, in (0, 1]"),
+    ("--min-p", 0.0, "drop tokens less likely than this times the most likely one, in [0, 1]; "
+     "0 is off"),
+    ("--presence-penalty", 0.0, "subtracted from the logit of every token already generated, "
+     "in [-2, 2]; 0 is off"),
+    ("--frequency-penalty", 0.0, "subtracted once per earlier occurrence of a token in the "
+     "output, in [-2, 2]; 0 is off"),
+    ("--repetition-penalty", 1.0, "above 1 makes tokens of the prompt and output less likely, "
+     "below 1 more; 1 is off"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bcg import __version__
 
@@ -95,25 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--max-tokens", type=int, default=None,
                           help=f"most new tokens (default: {DEFAULT_MAX_TOKENS}, or what "
                           "--max-model-len leaves after the prompt if that is less)")
-    sampling.add_argument("--temperature", type=float, default=0.0,
-                          help="0 is greedy (the default); higher is more random")
-    sampling.add_argument("--top-p", type=float, default=1.0,
-                          help="sample from the most likely tokens covering this probability, "
-                          "in (0, 1] (1)")
+    for flag, default, text in FLOAT_SAMPLING_FLAGS:
+        sampling.add_argument(flag, type=float, default=default, help=f"{text} ({default:g})")
     sampling.add_argument("--top-k", type=int, default=0,
                           help="sample from the k most likely tokens; 0 or -1 is off (0)")
-    sampling.add_argument("--min-p", type=float, default=0.0,
-                          help="drop tokens less likely than this times the most likely one, "
-                          "in [0, 1]; 0 is off (0)")
-    sampling.add_argument("--presence-penalty", type=float, default=0.0,
-                          help="subtracted from the logit of every token already generated, "
-                          "in [-2, 2]; 0 is off (0)")
-    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
-                          help="subtracted once per earlier occurrence of a token in the "
-                          "output, in [-2, 2]; 0 is off (0)")
-    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
-                          help="above 1 makes tokens of the prompt and output less likely, "
-                          "below 1 more; 1 is off (1)")
     sampling.add_argument("--stop", action="append", default=[],
                           help="stop before this string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true",
