@@ -16,7 +16,6 @@ import re
 import sys
 import types
 import typing
-from pathlib import Path
 
 from bcg.utils import invalid_unicode, one_line
 
@@ -292,19 +291,14 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def _chat_template(args: argparse.Namespace) -> str | None:
-    """--chat-template's text: a file's, or the value itself where it holds Jinja markup (as
-    vLLM reads it); a value with neither is taken for a path that is not there."""
-    value = args.chat_template
-    if value is None:
+    """--chat-template's text (`read_chat_template`); it needs --chat."""
+    from bcg.engine.chat import read_chat_template
+
+    if args.chat_template is None:
         return None
     if not args.chat:
         raise ValueError("--chat-template applies to chat prompts: add --chat")
-    if Path(value).is_file():
-        return Path(value).read_text(encoding="utf-8")
-    if "{" not in value:
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template: "
-                         "give a template file's path or the template itself")
-    return value
+    return _naming_flags(["chat_template"], lambda: read_chat_template(args.chat_template))
 
 
 def _naming_flags(names: list[str], build):

@@ -307,6 +307,8 @@ def test_bad_stdin_prompts(monkeypatch, capsys, stdin, argv, message):
      "--chat-template applies to chat prompts: add --chat"),
     (["generate", "--chat", "--chat-template", "missing.jinja", "hi"],
      "--chat-template 'missing.jinja' is neither a file nor a Jinja template"),
+    (["serve", "--chat-template", "missing.jinja"],
+     "--chat-template 'missing.jinja' is neither a file nor a Jinja template"),
     (["generate", "--kv-cache-tokens", "-5", "hi"], "--kv-cache-tokens"),
     (["generate", "--gpu-memory-utilization", "2", "hi"], "--gpu-memory-utilization"),
     (["generate", "--max-num-seqs", "1.5", "hi"], "--max-num-seqs"),

@@ -325,6 +325,55 @@ def test_only_the_engine_thread_uses_the_tokenizer():
     assert recording.threads == {"bcg-engine"}
 
 
+@pytest.mark.parametrize("from_file", [True, False])
+def test_the_servers_chat_template_renders_every_conversation(tmp_path, from_file):
+    """--chat-template (a file, or the template itself) replaces the tokenizer's for chat
+    completions and /tokenize's messages, and /tokenizer_info reports it."""
+    require_builtin_model()
+    from starlette.testclient import TestClient
+
+    from bcg.config import EngineConfig
+    from bcg.engine.llm_engine import LLMEngine
+    from bcg.server.app import create_app
+    from bcg.server.serve import ServerSettings
+
+    template = "{% for m in messages %}Question: {{ m['content'] }}\nAnswer:{% endfor %}"
+    given = template
+    if from_file:
+        given = str(tmp_path / "chat.jinja")
+        (tmp_path / "chat.jinja").write_text(template)
+    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=MAX_MODEL_LEN))
+    expected = engine.tokenizer.encode("Question: What is the capital of France?\nAnswer:",
+                                       add_special_tokens=False)
+    app = create_app(engine, MODEL, ServerSettings(chat_template=given, disable_log_stats=True,
+                                                   disable_access_log=True))
+    with TestClient(app) as http:
+        assert http.post("/tokenize", json={"messages": QUESTION}).json()["tokens"] == expected
+        assert http.get("/tokenizer_info").json()["chat_template"] == template
+        reply = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": QUESTION, "max_tokens": 2, "temperature": 0}).json()
+        assert reply["usage"]["prompt_tokens"] == len(expected)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("missing.jinja", "chat_template 'missing.jinja' is neither a file nor a Jinja template"),
+    (".", "chat_template '.' is neither a file"),  # a folder
+])
+def test_a_chat_template_that_is_no_template_is_refused(value, message):
+    from bcg.server.serve import ServerSettings
+
+    with pytest.raises(ValueError, match=message):
+        ServerSettings(chat_template=value)
+
+
+def test_a_chat_template_file_that_is_not_text_is_refused(tmp_path):
+    from bcg.server.serve import ServerSettings
+
+    (tmp_path / "chat.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    with pytest.raises(ValueError, match="chat_template .* cannot be read"):
+        ServerSettings(chat_template=str(tmp_path / "chat.jinja"))
+
+
 def test_a_stream_the_client_leaves_before_its_first_event_is_aborted():
     """The client is gone before the response iterates its events: no generator `finally`
     runs, so the response itself aborts the requests."""

@@ -4,8 +4,10 @@ content is a string or OpenAI's text parts, rendered by a chat template with vLL
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -19,6 +21,19 @@ TEXT_PART = "{'type': 'text', 'text': ...}"
 RESERVED_TEMPLATE_NAMES = frozenset(
     inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
 ) - {"self", "kwargs"} | {"messages"}
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template as vLLM's --chat-template takes one: `value` itself where it holds
+    Jinja markup, else the text of the file it names."""
+    if "{" in value:
+        return value
+    require(os.path.isfile(value), f"chat_template {value!r} is neither a file nor a Jinja "
+            "template: give a template file's path or the template itself")
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"chat_template {value!r} cannot be read: {error}") from None
 
 
 @dataclass(frozen=True)

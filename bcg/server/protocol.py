@@ -263,8 +263,11 @@ class ChatTemplateFields(StrictModel):
     continue_final_message: bool | None = False  # the reply continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
 
-    def chat_prompt(self, add_special_tokens: bool) -> ChatPrompt:
-        options = ChatOptions(add_generation_prompt=_default(self.add_generation_prompt, True),
+    def chat_prompt(self, add_special_tokens: bool, chat_template: str | None) -> ChatPrompt:
+        """The conversation and how to render it (`chat_template`: the server's, or None for
+        the tokenizer's)."""
+        options = ChatOptions(chat_template=chat_template,
+                              add_generation_prompt=_default(self.add_generation_prompt, True),
                               continue_final_message=bool(self.continue_final_message),
                               add_special_tokens=add_special_tokens,
                               chat_template_kwargs=self.chat_template_kwargs)

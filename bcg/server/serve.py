@@ -48,6 +48,9 @@ class ServerSettings:
     log_stats_interval: float = _setting(
         5.0, "seconds between throughput log lines (prompt and generation tokens/s, running "
         "and waiting requests, KV cache use) while requests are in flight")
+    chat_template: str | None = _setting(
+        None, "a Jinja chat template for chat requests and /tokenize's messages instead of "
+        "the tokenizer's own: a file, or the template itself")
     disable_log_stats: bool = _setting(False, "no throughput log lines")
     disable_access_log: bool = _setting(False, "no log line per HTTP request")
 
@@ -62,6 +65,10 @@ class ServerSettings:
         value = self.log_stats_interval
         if not (is_number(value) and value > 0):
             raise ValueError(f"log_stats_interval must be a number > 0, got {value!r}")
+        if self.chat_template is not None:  # a file's text from here on
+            from bcg.engine.chat import read_chat_template  # transformers: not for --help
+
+            self.chat_template = read_chat_template(self.chat_template)
 
 
 def check_port(host: str, port: int) -> None:
