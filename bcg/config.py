@@ -219,13 +219,13 @@ class EngineConfig:
                 f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}")
         require(self.max_num_batched_tokens > 0,
                f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        require(self.ep_fixed_block_tokens is None or self.ep_fixed_block_tokens > 0,
+                f"ep_fixed_block_tokens must be > 0, got {self.ep_fixed_block_tokens}")
         require(self.ep_fixed_block_tokens is None or not self.uses_alltoall
                 or self.ep_fixed_block_tokens >= self.max_num_seqs,
                 f"ep_fixed_block_tokens must be at least max_num_seqs ({self.max_num_seqs}): "
                 f"decode steps exchange fixed blocks inside their graphs; got "
                 f"{self.ep_fixed_block_tokens}")
-        require(self.ep_fixed_block_tokens is None or self.ep_fixed_block_tokens > 0,
-                f"ep_fixed_block_tokens must be > 0, got {self.ep_fixed_block_tokens}")
         require(self.kv_cache_tokens is None or self.kv_cache_tokens > 0,
                f"kv_cache_tokens must be > 0, got {self.kv_cache_tokens}")
         require(self.max_model_len is None or self.max_model_len > 0,

@@ -188,9 +188,10 @@ def prefill_step_ms(engine: LLMEngine, batch: int, tokens: int, seed: int,
 
 def decode_rows(engine_args: dict, batch_sizes: Iterable[int] = DECODE_BATCH_SIZES,
                 hbm_gbs: float | None = None, floors: Floors = WEIGHT_FLOOR) -> list[dict]:
-    """A row per batch size: ms per engine step with every request decoding (bench_decode's
-    `measure`), and per floor `{name}_bytes` (rank 0's weights a forward reads); with
-    `hbm_gbs`, `{name}_ms` (those bytes at that bandwidth) and `x_{name}` (ms / floor)."""
+    """A row per batch size: ms per engine step with every request decoding (the median of
+    bench_decode's `round_seconds`, each round kept in `round_ms`), and per floor
+    `{name}_bytes` (rank 0's weights a forward reads); with `hbm_gbs`, `{name}_ms` (those
+    bytes at that bandwidth) and `x_{name}` (ms / floor)."""
     batch_sizes = list(batch_sizes)
     args = {"max_model_len": 1024, "max_num_seqs": max(batch_sizes),
             "decode_graph_bs": ",".join(map(str, batch_sizes)), "prefill_graph": "none",

@@ -123,6 +123,8 @@ def test_hugging_face_config_layouts_both_parse():
     (dict(enforce_eager=1), "enforce_eager must be true or false"),
     (dict(device="cuda:x"), "device must be auto, cuda, cuda:N or cpu; got 'cuda:x'"),
     (dict(ep_fixed_block_tokens=0), "ep_fixed_block_tokens must be > 0, got 0"),
+    (dict(ep_fixed_block_tokens=0, enable_expert_parallel=True, ep_dispatch="alltoall"),
+     "ep_fixed_block_tokens must be > 0, got 0"),
     (dict(ep_dispatch="alltoall"), "ep_dispatch 'alltoall' applies only to expert parallel"),
 ])
 def test_invalid_engine_args_raise_clear_errors(kwargs, message):

@@ -1,5 +1,6 @@
 """`bcg serve` on 127.0.0.1 with the built-in SmolLM2, driven by the official openai client."""
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,8 +48,6 @@ def _metrics(base: str) -> dict[str, float]:
 
 
 def test_serve_has_every_engine_flag(capsys):
-    import dataclasses
-
     from bcg.cli import build_parser
     from bcg.config import EngineConfig
 
@@ -366,12 +365,28 @@ def test_a_chat_template_that_is_no_template_is_refused(value, message):
         ServerSettings(chat_template=value)
 
 
-def test_a_chat_template_file_that_is_not_text_is_refused(tmp_path):
+@pytest.mark.parametrize("content,message", [
+    (b"\xff\xfe{{ messages }}", "cannot be read"), (b" \n", "is an empty file")])
+def test_a_chat_template_file_that_is_no_template_is_refused(tmp_path, content, message):
     from bcg.server.serve import ServerSettings
 
-    (tmp_path / "chat.jinja").write_bytes(b"\xff\xfe{{ messages }}")
-    with pytest.raises(ValueError, match="chat_template .* cannot be read"):
+    (tmp_path / "chat.jinja").write_bytes(content)
+    with pytest.raises(ValueError, match=f"chat_template .* {message}"):
         ServerSettings(chat_template=str(tmp_path / "chat.jinja"))
+
+
+def test_a_chat_template_is_a_file_first_as_vllm_reads_it(tmp_path):
+    """A file whose path has braces is still a file; the settings keep the path (a copy
+    reads it again) and the text apart."""
+    from bcg.server.serve import ServerSettings
+
+    path = tmp_path / "{model}.jinja"
+    path.write_text("Plain text, no markup\n")
+    settings = ServerSettings(chat_template=str(path))
+    assert settings.chat_template_text == "Plain text, no markup\n"
+    copy = dataclasses.replace(settings, disable_log_stats=True)
+    assert (copy.chat_template, copy.chat_template_text) == (str(path), "Plain text, no markup\n")
+    assert ServerSettings(chat_template="Hello\n").chat_template_text == "Hello\n"
 
 
 def test_a_stream_the_client_leaves_before_its_first_event_is_aborted():

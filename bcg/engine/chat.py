@@ -24,16 +24,19 @@ RESERVED_TEMPLATE_NAMES = frozenset(
 
 
 def read_chat_template(value: str) -> str:
-    """A chat template as vLLM's --chat-template takes one: `value` itself where it holds
-    Jinja markup, else the text of the file it names."""
-    if "{" in value:
-        return value
-    require(os.path.isfile(value), f"chat_template {value!r} is neither a file nor a Jinja "
-            "template: give a template file's path or the template itself")
-    try:
-        return Path(value).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"chat_template {value!r} cannot be read: {error}") from None
+    """A chat template as vLLM's --chat-template takes one: the text of the file `value`
+    names, else `value` itself where it looks like a template (braces or a line break)."""
+    if os.path.isfile(value):
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"chat_template {value!r} cannot be read: {error}") from None
+        require(text.strip() != "", f"chat_template {value!r} is an empty file: give a "
+                "template")
+        return text
+    require(any(mark in value for mark in "{}\n"), f"chat_template {value!r} is neither a "
+            "file nor a Jinja template: give a template file's path or the template itself")
+    return value
 
 
 @dataclass(frozen=True)

@@ -259,7 +259,8 @@ class _Server:
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> ChatPrompt:
         """The body's conversation; for messages, add_special_tokens is false unless set."""
         try:
-            return body.chat_prompt(bool(body.add_special_tokens), self.settings.chat_template)
+            return body.chat_prompt(bool(body.add_special_tokens),
+                                    self.settings.chat_template_text)
         except FieldError as error:  # contradicting options, or reserved template variables
             raise ApiError(str(error), param=error.field) from error
 
@@ -275,7 +276,8 @@ class _Server:
                 (getattr(tokenizer, "init_kwargs", None) or {}).items()
                 if key not in ("vocab_file", "merges_file", "tokenizer_file")}
         info.update(tokenizer_class=type(tokenizer).__name__,
-                    chat_template=self.settings.chat_template or tokenizer.chat_template,
+                    chat_template=tokenizer.chat_template if self.settings.chat_template_text
+                    is None else self.settings.chat_template_text,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids)
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):

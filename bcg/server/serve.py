@@ -65,10 +65,11 @@ class ServerSettings:
         value = self.log_stats_interval
         if not (is_number(value) and value > 0):
             raise ValueError(f"log_stats_interval must be a number > 0, got {value!r}")
-        if self.chat_template is not None:  # a file's text from here on
+        self.chat_template_text = None  # chat_template's text (not a field: no flag of its own)
+        if self.chat_template is not None:
             from bcg.engine.chat import read_chat_template  # transformers: not for --help
 
-            self.chat_template = read_chat_template(self.chat_template)
+            self.chat_template_text = read_chat_template(self.chat_template)
 
 
 def check_port(host: str, port: int) -> None:
