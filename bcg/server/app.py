@@ -276,8 +276,7 @@ class _Server:
                 (getattr(tokenizer, "init_kwargs", None) or {}).items()
                 if key not in ("vocab_file", "merges_file", "tokenizer_file")}
         info.update(tokenizer_class=type(tokenizer).__name__,
-                    chat_template=tokenizer.chat_template if self.settings.chat_template_text
-                    is None else self.settings.chat_template_text,
+                    chat_template=self.settings.chat_template_text or tokenizer.chat_template,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids)
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
