@@ -24,7 +24,11 @@ parallelism); instead the host can end a rank's waits for good (`release_waits`,
 peer died) by setting a flag in its pinned memory, which a wait reads every `RELEASE_POLL`
 spins. Only the CPU writes the flag, with no CUDA call: a copy to the device would queue
 behind the spinning kernel (it did, in an engine's step), and the GPU reads host memory
-directly. A wait that is answered at once never reads it.
+directly. Those reads are rare on purpose: at one every 1024 spins, waits that ran past the
+first read came out slower, so the peer's next wait did too, and both ranks stayed in that
+state for whole steps (a 7 ms decode step took 50 ms: README, Tensor parallelism). A wait
+that sees the release notes it in device memory (`release_seen`), which every later wait
+that is not answered at once reads on its first spin, so they end at once.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from bcg.kernels._launch import (
 from bcg.kernels.rmsnorm import add_rms_norm_row
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
-RELEASE_POLL = 1024  # spins between reads of the host's release flag (a read crosses PCIe)
+RELEASE_POLL = 1 << 16  # spins between reads of the host's release flag (a read crosses PCIe)
 
 
 def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
@@ -87,8 +91,9 @@ class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
     `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per counter
     parity and sender) and of its `max_rows x world_size` int32 signals (zero before the
-    first call), this rank's row counters, and the flag in pinned memory that ends its waits
-    (`flag_ptrs` holds its address after the ranks' signals)."""
+    first call), this rank's row counters, the flag in pinned memory that ends its waits and
+    the device's note that a wait saw it (`flag_ptrs` holds their addresses after the ranks'
+    signals)."""
 
     def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
                  row_numel: int, max_rows: int, dtype: torch.dtype,
@@ -98,8 +103,11 @@ class PeerRows:
         # Pinned by cudaHostAlloc (torch's default), so its address is also the device's.
         self.released = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor(flag_addresses + [self.released.data_ptr()],
-                                      dtype=torch.int64, device=device)
+        self.release_poll = RELEASE_POLL
+        self.release_seen = torch.zeros(1, dtype=torch.int32, device=device)
+        self.flag_ptrs = torch.tensor(
+            flag_addresses + [self.released.data_ptr(), self.release_seen.data_ptr()],
+            dtype=torch.int64, device=device)
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
     def release_waits(self) -> None:
@@ -146,7 +154,7 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
          "ROW_NUMEL": peers.row_numel, "SLOT_NUMEL": peers.row_numel * peers.max_rows,
-         "EPOCH_MASK": EPOCH_MASK, "RELEASE_POLL": RELEASE_POLL, "ADD_NORM": add_norm,
+         "EPOCH_MASK": EPOCH_MASK, "RELEASE_POLL": peers.release_poll, "ADD_NORM": add_norm,
          "BLOCK": block},
         num_warps=min(16, max(1, block // 256)),
     )
@@ -205,17 +213,23 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
             tl.atomic_xchg(peer_flags + row * WORLD + RANK, epoch, sem="release", scope="sys")
     own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
     released_flag = tl.load(flag_ptrs + WORLD).to(tl.pointer_type(tl.int32))
+    release_seen = tl.load(flag_ptrs + WORLD + 1).to(tl.pointer_type(tl.int32))
     ahead = (epoch + 1) & EPOCH_MASK  # a peer may already have signalled its next call
+    released = 0
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             signal = own_flags + row * WORLD + peer
             seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
-            spins, released = 0, 0
+            spins = 0
             while (seen != epoch) & (seen != ahead) & (released == 0):
                 seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
                 spins += 1
-                released = tl.load(released_flag, mask=spins % RELEASE_POLL == 0, other=0,
-                                   volatile=True)
+                # The device's note on the first spin (a wait answered at once reads neither),
+                # the host's flag every RELEASE_POLL.
+                released = tl.load(release_seen, mask=spins == 1, other=0, volatile=True) | \
+                    tl.load(released_flag, mask=spins % RELEASE_POLL == 0, other=0,
+                            volatile=True)
+    tl.store(release_seen, released, mask=released != 0)
     tl.debug_barrier()
     # Stored only once every warp has read it: each warp loads the count for itself, and one
     # that read it after the store would take the next call's slot and wait for good.
