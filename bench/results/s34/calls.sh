@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 34's device calls: bash bench/results/s34/calls.sh a
+# Session 34's device calls: bash bench/results/s34/calls.sh a|b|c|d|e
+# a-c apply stall_trace.diff, which applies on main before the fix (da19535) only.
 #   a  (two GPUs) the tp2 decode stalls: s34/stall_trace.diff's per-step channel and GPU
 #      traces at batch 64 on nemotron-h-8b, with the channel's head at 4 KiB and at 64 KiB,
 #      and with NCCL instead of the custom all-reduce; one JSON a variant    (about 250 s)
