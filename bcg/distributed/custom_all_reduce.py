@@ -46,7 +46,7 @@ MAX_ROWS = 256  # rows of one call: a decode step of up to 256 sequences
 MAX_ROW_BYTES = 16 * 1024  # a row of up to 8192 bf16 (4096 fp32) elements
 MAX_RANKS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FLAG = "the custom all-reduce (--disable-custom-all-reduce turns it off)"
+FEATURE = "the custom all-reduce (--disable-custom-all-reduce turns it off)"
 # Where rebuild_cuda_tensor takes the device to open a shared buffer on.
 _STORAGE_DEVICE = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
 
@@ -130,12 +130,12 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
             torch.cuda.synchronize(device)  # zeroed before any peer can signal into it
         except RuntimeError as error:
             reason = f"its buffer cannot be shared ({error})"
-    if not agreed(tp, reason is None, reason, FLAG):
+    if not agreed(tp, reason is None, reason, FEATURE):
         return None
     every_export: list[list | None] = [None] * tp.size
     dist.all_gather_object(every_export, exports, group=tp.cpu_group)
     mapped, reason = _map_peers(buffer, [e[tp.rank] for e in every_export], tp.rank, device)
-    if not agreed(tp, reason is None, reason, FLAG):
+    if not agreed(tp, reason is None, reason, FEATURE):
         return None
     rows = peer_rows([b.data_ptr() for b in mapped], tp.rank, dtype, device)
     kernel = PeerAllReduce(rows, mapped)
@@ -216,11 +216,11 @@ def unsupported(tp: TensorParallel, dtype: torch.dtype, device: torch.device) ->
     return None
 
 
-def agreed(tp: TensorParallel, ok: bool, reason: str | None, flag: str) -> bool:
-    """Whether every rank is `ok`; if not, warn why `flag` does not take effect (this
-    rank's reason, if it has one)."""
+def agreed(tp: TensorParallel, ok: bool, reason: str | None, feature: str) -> bool:
+    """Whether every rank is `ok`; if not, warn why `feature` (its name or flag) does not
+    take effect (this rank's reason, if it has one)."""
     if tp.min_over_ranks(int(ok)):
         return True
-    logger.warning("%s does not take effect: %s", flag,
+    logger.warning("%s does not take effect: %s", feature,
                    reason or "another rank cannot run it")
     return False

@@ -45,7 +45,7 @@ ONE_SHOT_MAX_BYTES = 512 * 1024
 # Larger ones up to this (the buffer's size) take the two-shot kernel: a 2048-token prefill
 # chunk of a hidden size up to 8192 in bf16 fits.
 MAX_BYTES = 32 * 2**20
-FLAG = "--enable-torch-symm-mem"
+FEATURE = "--enable-torch-symm-mem"
 ALIGNMENT = 16  # the kernels' widest loads; the buffer and the input must agree on it
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernels sum
 TWO_SHOT_WORLD_SIZES = (2, 4, 8)  # the only ones torch's two-shot kernel is built for
@@ -125,11 +125,11 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     total_bytes = max_bytes + (region_bytes(tp.size, dtype) if fused else 0)
     buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
-    if agreed(tp, buffer is not None, reason, FLAG):
+    if agreed(tp, buffer is not None, reason, FEATURE):
         buffer[max_bytes // buffer.element_size():].zero_()  # the signals start at zero
         torch.cuda.synchronize(device)  # zero before any peer can signal into it
         handle, reason = _rendezvous(buffer, tp.group.group_name)
-        if agreed(tp, reason is None, reason, FLAG):
+        if agreed(tp, reason is None, reason, FEATURE):
             fused_rows = _fused_rows(buffer, handle, max_bytes) if fused else None
             all_reduce_part = buffer[: max_bytes // buffer.element_size()]
             kernel = SymmMemAllReduce(all_reduce_part, tp.group.group_name, one_shot_max_bytes,
