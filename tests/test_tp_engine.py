@@ -25,6 +25,7 @@ from bcg.distributed.parallel_state import (
     set_custom_all_reduce,
     spawned_group_store,
 )
+from bcg.distributed.step_channel import PipeStepChannel
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
@@ -50,6 +51,8 @@ def generate(folder, tp: int, **extra):
     llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS, **extra)
     try:
         check_startup_steps(llm.engine.startup_seconds, tp)
+        if tp > 1:  # the workers rank 0 spawned read each step from a pipe
+            assert isinstance(llm.engine.runner.step_channel, PipeStepChannel)
         return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     finally:
         llm.close()
@@ -185,11 +188,11 @@ def test_rank_zeros_rendezvous_listens_before_its_workers_start():
         pass
 
 
-def worker_exiting_before_it_joins(config, rank, store_port, reports):
+def worker_exiting_before_it_joins(config, rank, store_port, reports, steps):
     os._exit(4)  # as one that crashes importing the runner or taking its GPU
 
 
-def worker_stuck_before_it_joins(config, rank, store_port, reports):
+def worker_stuck_before_it_joins(config, rank, store_port, reports, steps):
     time.sleep(60)
 
 
@@ -307,6 +310,7 @@ def test_a_launched_worker_failing_logs_its_rank_and_exits_non_zero():
 
 
 UNGUARDED_SCRIPT = """
+from bcg.distributed.step_channel import PipeStepChannel
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 
