@@ -11,18 +11,25 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bcg.distributed import step_channel
 from bcg.distributed.parallel_state import (
+    TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
     spawned_group_store,
     tensor_parallel,
 )
-from bcg.distributed.step_channel import INLINE_BYTES, GroupStepChannel, PipeStepChannel
+from bcg.distributed.step_channel import (
+    INLINE_BYTES,
+    GroupStepChannel,
+    PipeStepChannel,
+    open_step_channel,
+)
 from bcg.runner.batch import HostBatch
 from bcg.runner.step_plan import StepPlan
 from tests.server_process import free_port
 
-MESSAGES = [b"small", bytes(range(256)) * (3 * INLINE_BYTES // 256 + 1), b"\x00"]
+MESSAGES = [b"small", bytes(range(256)) * (3 * INLINE_BYTES // 256 + 1), b""]
 
 
 def a_plan() -> StepPlan:
@@ -69,7 +76,7 @@ def test_the_pipes_carry_plans_larger_than_their_buffer_then_the_shutdown():
     receiver, sender = Pipe(duplex=False)
     large = bytes(range(256)) * (1 << 12)  # 1 MiB: the writer waits for the reader
     messages = [*MESSAGES, large]
-    rank_0 = threading.Thread(target=send_then_shut_down,
+    rank_0 = threading.Thread(target=send_then_shut_down, daemon=True,  # never holds pytest
                               args=(PipeStepChannel((sender,)), messages))
     rank_0.start()
     channel, received = PipeStepChannel((receiver,)), []
@@ -89,8 +96,30 @@ def test_a_worker_whose_rank_0_ended_without_shutdown_stops_with_an_error():
         channel.receive()
 
 
-def test_rank_0s_send_to_a_worker_that_ended_raises():
+def test_rank_0s_send_to_a_worker_that_ended_names_its_rank():
+    receivers, senders = zip(*(Pipe(duplex=False) for _ in range(2)), strict=True)
+    receivers[1].close()
+    channel = PipeStepChannel(senders)
+    with pytest.raises(RuntimeError, match="rank 2's step pipe broke"):
+        channel.send(b"plan")
+    with pytest.raises(RuntimeError, match="rank 2's step pipe broke"):
+        channel.send_shutdown()
+
+
+def test_rank_0_waiting_on_a_full_pipe_gives_up_once_a_worker_failed(monkeypatch):
+    """A worker that does not read (stuck) while another failed: rank 0's write of a plan
+    larger than the pipe's buffer ends with an error instead of waiting for good."""
     receiver, sender = Pipe(duplex=False)
+    monkeypatch.setattr(step_channel, "WRITE_WAIT_SECONDS", 0.01)
+    waits = []
+    monkeypatch.setattr(step_channel, "peer_failed", lambda: len(waits) > 2 or waits.append(1))
+    with pytest.raises(RuntimeError, match="failed while rank 0 waited"):
+        PipeStepChannel((sender,)).send(bytes(1 << 22))  # 4 MiB: no pipe holds it
     receiver.close()
-    with pytest.raises(OSError):
-        PipeStepChannel((sender,)).send(b"plan")
+
+
+def test_without_pipes_the_steps_go_through_the_group():
+    assert isinstance(open_step_channel(TensorParallel(0, 2, cpu_group="cpu")), GroupStepChannel)
+    receiver, _ = Pipe(duplex=False)
+    tp = TensorParallel(1, 2, step_pipes=(receiver,))
+    assert isinstance(open_step_channel(tp), PipeStepChannel)

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from multiprocessing import Pipe
 
 import pytest
 import torch
@@ -259,6 +260,33 @@ def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     assert all(p.poll() is not None for p in llm.engine._workers.processes)  # all ended
 
 
+def worker_exiting_after_its_first_step(*args):
+    keep_samples = model_runner.ModelRunner.keep_samples
+
+    def keep_samples_then_exit(self, num_samples, token_ids=None):
+        keep_samples(self, num_samples, token_ids)
+        os._exit(5)
+
+    model_runner.ModelRunner.keep_samples = keep_samples_then_exit
+    rank_loop.spawned_worker_main(*args)
+
+
+def test_a_worker_gone_between_steps_is_named_at_the_next_step(tmp_path, monkeypatch):
+    """The worker ended while idle: the next step (its write to the worker's pipe, or the
+    watcher's report if that came first) raises naming it, at once."""
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_after_its_first_step)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    llm.engine.add_request(PROMPTS[0], PARAMS)
+    llm.engine.step()  # the worker's one step
+    llm.engine._workers.processes[0].wait(FAILURE_SECONDS)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 5"):
+        llm.engine.step()
+    assert time.monotonic() - start < FAILURE_SECONDS
+    llm.close()
+
+
 def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
     """As on GPUs, where the aborted NCCL collectives of a dead worker's peers return
     garbage instead of raising: rank 0's collectives here wait for the failure, then return
@@ -310,7 +338,6 @@ def test_a_launched_worker_failing_logs_its_rank_and_exits_non_zero():
 
 
 UNGUARDED_SCRIPT = """
-from bcg.distributed.step_channel import PipeStepChannel
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 
@@ -405,6 +432,17 @@ def test_a_clean_close_destroys_the_group_and_a_late_timer_aborts_nothing(monkey
     held.workers.close()
     held.workers._abort_after_failure()
     assert held.events == ["graphs destroyed", "group destroyed"]
+
+
+def test_close_with_a_workers_pipe_broken_treats_the_ranks_as_out_of_step(monkeypatch):
+    """The shutdown's write finds a worker gone: close() aborts the group instead of
+    destroying it with a dead peer."""
+    held = GraphsHoldingTheAbort(monkeypatch)
+    receiver, sender = Pipe(duplex=False)
+    receiver.close()
+    held.step_channel = PipeStepChannel((sender,))
+    held.workers.close()
+    assert held.events[-2:] == ["abort returned", "group destroyed"]
 
 
 def test_a_worker_failing_as_close_stops_the_workers_gets_its_group_aborted(monkeypatch):

@@ -7,10 +7,11 @@ multiprocessing's spawn would (the benches' scripts took seconds to import, and 
 without an `if __name__ == "__main__":` guard built a second engine in every worker). Rank
 0 waits for each to report that it has imported the runner and taken its GPU (a death
 before is an error at once, not a hang), then lets them into the group's rendezvous
-together. A thread then watches the workers: one that raises reports its exception and
-exits, so rank 0's collective with it fails within moments (gloo sees the closed
-connection; on GPUs the NCCL group is aborted), and rank 0 raises an error naming that rank
-and its exception.
+together. Each worker reads its steps from a pipe of its own (`step_channel`). A thread
+then watches the workers: one that raises reports its exception and exits, so rank 0's
+collective with it, or its next write of a step to it, fails within moments (gloo sees the
+closed connection, the pipe is broken; on GPUs the NCCL group is aborted), and rank 0
+raises an error naming that rank and its exception.
 """
 
 from __future__ import annotations
@@ -146,8 +147,13 @@ class Workers:
         command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
                    WORKER_PROGRAM]
         for rank in range(1, self.size):
-            receiver, sender = Pipe(duplex=False)
-            steps_receiver, steps_sender = Pipe(duplex=False)
+            receiver, sender = Pipe(duplex=False)  # its reports
+            try:
+                steps_receiver, steps_sender = Pipe(duplex=False)  # its steps
+            except BaseException:
+                receiver.close()
+                sender.close()
+                raise
             # The worker's ends keep their numbers in the worker.
             reports_fd, steps_fd = sender.fileno(), steps_receiver.fileno()
             try:

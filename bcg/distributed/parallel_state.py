@@ -143,6 +143,11 @@ def set_custom_all_reduce(custom: CustomAllReduce | None) -> None:
         custom.release_waits()
 
 
+def peer_failed() -> bool:
+    """Whether rank 0 recorded a failed worker in this group (`release_custom_all_reduce_waits`)."""
+    return _waits_released
+
+
 def release_custom_all_reduce_waits() -> None:
     """A peer of the group failed: end the waits of the custom all-reduce's kernel, the
     current one's and any set later in this group (one may be set while the failure is

@@ -3,8 +3,9 @@ this rank's device, then run every step rank 0 sends (`StepPlan`) until it shuts
 
 Rank 0 launches the workers itself (`launcher`; here `run_started_worker` and
 `spawned_worker_main`: one host, devices 0..N-1, readiness to join and failure reported
-through a pipe), or torchrun starts every rank (`launched_worker_main`, env-style initialisation, on
-cuda:LOCAL_RANK).
+through a pipe, the steps read from another), or torchrun starts every rank
+(`launched_worker_main`, env-style initialisation, on cuda:LOCAL_RANK; the steps come by
+the CPU group's broadcast).
 """
 
 from __future__ import annotations

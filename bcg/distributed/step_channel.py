@@ -2,8 +2,8 @@
 flat integer arrays, sent as bytes one of two ways:
 
 - `PipeStepChannel`: workers that rank 0 spawned on its host each read theirs from a pipe
-  of their own. A pipe wakes its reader within microseconds; the group's TCP sockets took
-  0.5-1.6 ms a step for a 6.5 KB plan on two H200s (README, Tensor parallelism).
+  of their own (the gloo group's broadcast took rank 0 0.5-1.6 ms a step for a 6.5 KB plan
+  on two H200s; a pipe's write took 36 µs on the CI machine: README, Session 34).
 - `GroupStepChannel`: ranks that torchrun started (maybe on several hosts) take it from a
   broadcast on the CPU (gloo) group; most plans fit one fixed-size broadcast, and a longer
   one (large batches, long block tables) takes a second for the rest.
@@ -11,6 +11,8 @@ flat integer arrays, sent as bytes one of two ways:
 
 from __future__ import annotations
 
+import os
+import select
 import struct
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -18,16 +20,17 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from bcg.distributed.parallel_state import TensorParallel
+from bcg.distributed.parallel_state import TensorParallel, peer_failed
 
 INLINE_BYTES = 4 * 1024  # the first broadcast's part: small decode steps fit; more takes a second
+WRITE_WAIT_SECONDS = 0.2  # a full pipe: how long rank 0 waits for room before checking again
 _LENGTH = struct.Struct("<q")
 _SHUTDOWN = -1
 
 
 class StepChannel(Protocol):
     def send(self, payload: bytes) -> None:
-        """Rank 0: every other rank's `receive` returns `payload` (never empty)."""
+        """Rank 0: every other rank's `receive` returns `payload`."""
 
     def send_shutdown(self) -> None:
         """Rank 0: every other rank's `receive` returns None."""
@@ -43,31 +46,63 @@ def open_step_channel(tp: TensorParallel) -> StepChannel:
 
 
 class PipeStepChannel:
-    """Rank 0 writes each message to every worker's pipe; a worker reads its own. The empty
-    message is the shutdown (a plan's bytes never are)."""
+    """Rank 0 writes each message, its length first, to every worker's pipe; a worker reads
+    its own. Rank 0's ends do not block: where a pipe is full (a plan larger than its buffer,
+    a worker slow to read) it waits for room, and gives up once a worker failed, so a stuck
+    worker cannot hold it in a write for good."""
 
     def __init__(self, pipes: tuple[Connection, ...]) -> None:
-        self.pipes = pipes  # rank 0: a writing end per worker; a worker: its reading end
+        self.pipes = pipes  # rank 0: a writing end per worker (rank i + 1); a worker: its own
+        for pipe in pipes:
+            if pipe.writable:
+                os.set_blocking(pipe.fileno(), False)
 
     def send(self, payload: bytes) -> None:
-        assert payload, "a plan's bytes are never empty: the empty message is the shutdown"
-        for pipe in self.pipes:
-            pipe.send_bytes(payload)
+        self._write_to_each(_LENGTH.pack(len(payload)) + payload)
 
     def send_shutdown(self) -> None:
-        for pipe in self.pipes:
-            pipe.send_bytes(b"")
+        self._write_to_each(_LENGTH.pack(_SHUTDOWN))
 
     def receive(self) -> bytes | None:
+        fd = self.pipes[0].fileno()
+        (length,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size))
+        return None if length == _SHUTDOWN else _read_exactly(fd, length)
+
+    def _write_to_each(self, frame: bytes) -> None:
+        for index, pipe in enumerate(self.pipes):
+            try:
+                _write_all(pipe.fileno(), memoryview(frame))
+            except OSError as error:  # the worker is gone (a broken pipe)
+                raise RuntimeError(f"tensor-parallel rank {index + 1}'s step pipe broke "
+                                   f"({error.strerror or error})") from error
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
         try:
-            message = self.pipes[0].recv_bytes()
-        except EOFError:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:
+            if peer_failed():
+                raise RuntimeError("a tensor-parallel worker failed while rank 0 waited to "
+                                   "write the next step to another") from None
+            select.select([], [fd], [], WRITE_WAIT_SECONDS)
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    parts = []
+    while size:
+        part = os.read(fd, size)
+        if not part:
             raise RuntimeError("rank 0 closed its step channel without shutting down (it "
-                               "ended): this rank stops too") from None
-        return message or None
+                               "ended): this rank stops too")
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
 
 
 class GroupStepChannel:
+    """Rank 0 broadcasts each message on the group's CPU (gloo) group."""
+
     def __init__(self, tp: TensorParallel) -> None:
         self.group = tp.cpu_group
         self._buffer = torch.zeros(_LENGTH.size + INLINE_BYTES, dtype=torch.uint8)
