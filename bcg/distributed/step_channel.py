@@ -85,7 +85,9 @@ def _write_all(fd: int, data: memoryview) -> None:
             if peer_failed():
                 raise RuntimeError("a tensor-parallel worker failed while rank 0 waited to "
                                    "write the next step to another") from None
-            select.select([], [fd], [], WRITE_WAIT_SECONDS)
+            room = select.poll()  # not select(): no limit on the fd's number
+            room.register(fd, select.POLLOUT)
+            room.poll(WRITE_WAIT_SECONDS * 1000)
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
