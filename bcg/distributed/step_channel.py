@@ -3,7 +3,7 @@ flat integer arrays, sent as bytes one of two ways:
 
 - `PipeStepChannel`: workers that rank 0 spawned on its host each read theirs from a pipe
   of their own (the gloo group's broadcast took rank 0 0.5-1.6 ms a step for a 6.5 KB plan
-  on two H200s; a pipe's write took 36 µs on the CI machine: README, Session 34).
+  on two H200s; a pipe's write took 19 µs on the CI machine: README, Session 34).
 - `GroupStepChannel`: ranks that torchrun started (maybe on several hosts) take it from a
   broadcast on the CPU (gloo) group; most plans fit one fixed-size broadcast, and a longer
   one (large batches, long block tables) takes a second for the rest.
