@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_failed_worker_left_over():
+    """A test whose worker failed leaves rank 0's record of it (`peer_failed`) until a new
+    group forms; the next test starts without it, as a fresh process would."""
+    from bcg.distributed import parallel_state
+
+    yield
+    parallel_state._peer_failed = False

@@ -112,9 +112,9 @@ def test_the_flag_reaches_the_engine(tmp_path, monkeypatch, disabled):
 
 def cpu_rank_main(rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    parallel_state._waits_released = True  # as a late failure of a group before may leave it
+    parallel_state._peer_failed = True  # as a late failure of a group before may leave it
     init_tensor_parallel(2, "gloo", spawned_group_store(2, rank, port), rank)
-    assert not parallel_state._waits_released  # a new group starts with its waits kept
+    assert not parallel_state._peer_failed  # a new group starts with its waits kept
     records = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -67,9 +67,14 @@ def test_messages_larger_than_the_first_broadcast_arrive_whole():
 
 
 def send_then_shut_down(channel: PipeStepChannel, messages: list[bytes]) -> None:
-    for message in messages:
-        channel.send(message)
-    channel.send_shutdown()
+    """Rank 0's side, closing its end after (or on an error: the reader then fails at the
+    end of file instead of waiting for good)."""
+    try:
+        for message in messages:
+            channel.send(message)
+        channel.send_shutdown()
+    finally:
+        channel.pipes[0].close()
 
 
 def test_the_pipes_carry_plans_larger_than_their_buffer_then_the_shutdown():

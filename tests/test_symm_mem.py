@@ -174,10 +174,7 @@ def test_a_norm_after_a_ranks_part_takes_the_fused_kernel_where_it_can(monkeypat
     assert kernel.fused_calls == 2
 
 
-def test_a_replaced_or_destroyed_kernel_is_released(monkeypatch):
-    # No group failed here (an earlier test's failed worker leaves the flag set until the
-    # next group forms, and a kernel set then would be released at once).
-    monkeypatch.setattr(parallel_state, "_waits_released", False)
+def test_a_replaced_or_destroyed_kernel_is_released():
     first, second = FakeKernel(8), FakeKernel(8)
     try:
         set_custom_all_reduce(first)

@@ -507,7 +507,7 @@ def test_a_failed_worker_releases_rank_0s_waits_in_the_custom_all_reduce(monkeyp
     """Rank 0 may wait in the custom all-reduce's kernel for a worker that died: recording
     the failure ends those waits (else rank 0's step would never finish), and those of one
     set up after it in the same group (the failure may come as it is set up)."""
-    monkeypatch.setattr(parallel_state, "_waits_released", False)
+    monkeypatch.setattr(parallel_state, "_peer_failed", False)
     workers, current, later = Workers(EngineConfig(device="cpu")), Waiting(), Waiting()
     set_custom_all_reduce(current)
     try:

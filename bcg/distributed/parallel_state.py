@@ -124,7 +124,7 @@ class TensorParallel:
 
 _current = TensorParallel()
 _abandoned: str | None = None  # why this process may not join a group again
-_waits_released = False  # a peer of the group failed (`release_custom_all_reduce_waits`)
+_peer_failed = False  # rank 0 recorded a failed worker (`release_custom_all_reduce_waits`)
 
 
 def tensor_parallel() -> TensorParallel:
@@ -139,21 +139,21 @@ def set_custom_all_reduce(custom: CustomAllReduce | None) -> None:
     if _current.custom_all_reduce not in (None, custom):
         _current.custom_all_reduce.release()
     _current = replace(_current, custom_all_reduce=custom)
-    if custom is not None and _waits_released:  # read after the swap: see the release below
+    if custom is not None and _peer_failed:  # read after the swap: see the release below
         custom.release_waits()
 
 
 def peer_failed() -> bool:
-    """Whether rank 0 recorded a failed worker in this group (`release_custom_all_reduce_waits`)."""
-    return _waits_released
+    """Whether rank 0 recorded a failed worker in this group."""
+    return _peer_failed
 
 
 def release_custom_all_reduce_waits() -> None:
     """A peer of the group failed: end the waits of the custom all-reduce's kernel, the
     current one's and any set later in this group (one may be set while the failure is
     recorded: whichever of the two runs second releases it)."""
-    global _waits_released
-    _waits_released = True
+    global _peer_failed
+    _peer_failed = True
     custom = _current.custom_all_reduce  # once: the main thread may set another meanwhile
     if custom is not None:
         custom.release_waits()
@@ -204,12 +204,12 @@ def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = Non
     `device` binds the group to it: NCCL's communicator is then created here, not at the
     first collective (inside a step or a graph capture)."""
     global _current
-    global _waits_released
+    global _peer_failed
     if size == 1:
         _current = TensorParallel()
         return _current
     refuse_if_abandoned()
-    _waits_released = False  # a late failure report of the group before may have set it
+    _peer_failed = False  # a late failure report of the group before may have set it
     if not dist.is_initialized():
         options: dict[str, Any] = {"init_method": "env://"}
         if store is not None:

@@ -32,5 +32,4 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
         return silu_and_mul(x)
     if activation == "relu_squared":
         return relu_squared(x)
-    raise ValueError(f"unknown activation {activation!r}: None, 'silu_and_mul' or "
-                     "'relu_squared'")
+    raise ValueError(f"unknown activation {activation!r}: 'silu_and_mul' or 'relu_squared'")
