@@ -37,13 +37,13 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from bcg.kernels.activation import relu_squared, silu_and_mul  # noqa: E402
 from bcg.kernels.skinny_linear import (  # noqa: E402
     CONFIGS,
     SkinnyConfig,
     fills_device,
     skinny_linear,
 )
+from bcg.layers.activation import activate  # noqa: E402
 from bcg.models.presets import PRESETS  # noqa: E402
 
 # (preset, tensor-parallel size, its projections timed: MoE experts are another kernel's,
@@ -109,9 +109,7 @@ def cycled(call, weights: list[torch.Tensor]) -> list:
 def cublas(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
     """The engine's path without the kernel: the GEMM, then the activation's own launch."""
     out = F.linear(x, weight)
-    if activation == "silu_and_mul":
-        return silu_and_mul(out)
-    return relu_squared(out, out=out) if activation == "relu_squared" else out
+    return out if activation is None else activate(out, activation)
 
 
 def cublas_calls(x: torch.Tensor, weights: list[torch.Tensor], activation: str | None) -> list:

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def no_failed_worker_left_over():
-    """A test whose worker failed leaves rank 0's record of it (`_peer_failed`) until a new
+    """A test whose worker failed leaves rank 0's record of it (`peer_failed`) until a new
     group forms; the next test starts without it, as a fresh process would."""
     from bcg.distributed import parallel_state
 

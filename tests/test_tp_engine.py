@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from multiprocessing import Pipe
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from bcg.distributed.parallel_state import (
     set_custom_all_reduce,
     spawned_group_store,
 )
+from bcg.distributed.step_channel import PipeStepChannel
 from bcg.engine.llm import LLM
 from bcg.engine.sampling_params import SamplingParams
 from bcg.loader.model_source import resolve_model
@@ -50,6 +52,8 @@ def generate(folder, tp: int, **extra):
     llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS, **extra)
     try:
         check_startup_steps(llm.engine.startup_seconds, tp)
+        if tp > 1:  # the workers rank 0 spawned read each step from a pipe
+            assert isinstance(llm.engine.runner.step_channel, PipeStepChannel)
         return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     finally:
         llm.close()
@@ -185,11 +189,11 @@ def test_rank_zeros_rendezvous_listens_before_its_workers_start():
         pass
 
 
-def worker_exiting_before_it_joins(config, rank, store_port, reports):
+def worker_exiting_before_it_joins(config, rank, store_port, reports, steps):
     os._exit(4)  # as one that crashes importing the runner or taking its GPU
 
 
-def worker_stuck_before_it_joins(config, rank, store_port, reports):
+def worker_stuck_before_it_joins(config, rank, store_port, reports, steps):
     time.sleep(60)
 
 
@@ -254,6 +258,33 @@ def test_a_worker_failing_in_a_step_is_named(tmp_path, monkeypatch):
     llm.close()
     assert time.monotonic() - start < FAILURE_SECONDS
     assert all(p.poll() is not None for p in llm.engine._workers.processes)  # all ended
+
+
+def worker_exiting_after_its_first_step(*args):
+    keep_samples = model_runner.ModelRunner.keep_samples
+
+    def keep_samples_then_exit(self, num_samples, token_ids=None):
+        keep_samples(self, num_samples, token_ids)
+        os._exit(5)
+
+    model_runner.ModelRunner.keep_samples = keep_samples_then_exit
+    rank_loop.spawned_worker_main(*args)
+
+
+def test_a_worker_gone_between_steps_is_named_at_the_next_step(tmp_path, monkeypatch):
+    """The worker ended while idle: the next step (its write to the worker's pipe, or the
+    watcher's report if that came first) raises naming it, at once."""
+    save_tiny_model("qwen3", tmp_path)
+    monkeypatch.setattr(rank_loop, "spawned_worker_main", worker_exiting_after_its_first_step)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS)
+    llm.engine.add_request(PROMPTS[0], PARAMS)
+    llm.engine.step()  # the worker's one step
+    llm.engine._workers.processes[0].wait(FAILURE_SECONDS)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: its process exited with code 5"):
+        llm.engine.step()
+    assert time.monotonic() - start < FAILURE_SECONDS
+    llm.close()
 
 
 def test_a_worker_dying_in_a_step_returns_no_tokens(tmp_path, monkeypatch):
@@ -401,6 +432,17 @@ def test_a_clean_close_destroys_the_group_and_a_late_timer_aborts_nothing(monkey
     held.workers.close()
     held.workers._abort_after_failure()
     assert held.events == ["graphs destroyed", "group destroyed"]
+
+
+def test_close_with_a_workers_pipe_broken_treats_the_ranks_as_out_of_step(monkeypatch):
+    """The shutdown's write finds a worker gone: close() aborts the group instead of
+    destroying it with a dead peer."""
+    held = GraphsHoldingTheAbort(monkeypatch)
+    receiver, sender = Pipe(duplex=False)
+    receiver.close()
+    held.step_channel = PipeStepChannel((sender,))
+    held.workers.close()
+    assert held.events[-2:] == ["abort returned", "group destroyed"]
 
 
 def test_a_worker_failing_as_close_stops_the_workers_gets_its_group_aborted(monkeypatch):

@@ -7,10 +7,11 @@ multiprocessing's spawn would (the benches' scripts took seconds to import, and 
 without an `if __name__ == "__main__":` guard built a second engine in every worker). Rank
 0 waits for each to report that it has imported the runner and taken its GPU (a death
 before is an error at once, not a hang), then lets them into the group's rendezvous
-together. A thread then watches the workers: one that raises reports its exception and
-exits, so rank 0's collective with it fails within moments (gloo sees the closed
-connection; on GPUs the NCCL group is aborted), and rank 0 raises an error naming that rank
-and its exception.
+together. Each worker reads its steps from a pipe of its own (`step_channel`). A thread
+then watches the workers: one that raises reports its exception and exits, so rank 0's
+collective with it, or its next write of a step to it, fails within moments (gloo sees the
+closed connection, the pipe is broken; on GPUs the NCCL group is aborted), and rank 0
+raises an error naming that rank and its exception.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class Workers:
         self._abort: threading.Thread | None = None  # NCCL's abort of the group, once begun
         self._abort_failure: str | None = None  # what that abort raised, if it did
         self._reports: list[Connection] = []  # each worker's reports, by rank - 1
+        self._step_pipes: list[Connection] = []  # rank 0's end of each worker's steps' pipe
         self._watcher: threading.Thread | None = None
         self.nccl = config.torch_device.type == "cuda"
         self.config = config  # rank 0's: its own device
@@ -134,7 +136,7 @@ class Workers:
                                              daemon=True)
             self._watcher.start()
             with startup_step("tensor-parallel group formed"), self.failures_named():
-                rank_loop.join_group(config, store, rank=0)
+                rank_loop.join_group(config, store, 0, tuple(self._step_pipes))
         except BaseException:
             self.broken = "it failed to start"  # close() then waits for no worker
             self.close()
@@ -145,23 +147,33 @@ class Workers:
         command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
                    WORKER_PROGRAM]
         for rank in range(1, self.size):
-            receiver, sender = Pipe(duplex=False)
-            reports_fd = sender.fileno()  # the same number in the worker
+            receiver, sender = Pipe(duplex=False)  # its reports
             try:
-                process = subprocess.Popen(command, stdin=subprocess.PIPE,
-                                           pass_fds=(reports_fd,))
+                steps_receiver, steps_sender = Pipe(duplex=False)  # its steps
             except BaseException:
                 receiver.close()
+                sender.close()
+                raise
+            # The worker's ends keep their numbers in the worker.
+            reports_fd, steps_fd = sender.fileno(), steps_receiver.fileno()
+            try:
+                process = subprocess.Popen(command, stdin=subprocess.PIPE,
+                                           pass_fds=(reports_fd, steps_fd))
+            except BaseException:
+                receiver.close()
+                steps_sender.close()
                 raise
             finally:
-                sender.close()  # the worker's end: end of file here once it exits
+                sender.close()  # end of file here once the worker exits
+                steps_receiver.close()  # a broken pipe for rank 0's writes once it exits
             self.processes.append(process)
             self._reports.append(receiver)
+            self._step_pipes.append(steps_sender)
             try:
                 with process.stdin:  # far less than a pipe's buffer: written at once
                     pickle.dump(sys.path, process.stdin)
                     pickle.dump((rank_loop.spawned_worker_main, config, rank, store_port,
-                                 reports_fd), process.stdin)
+                                 reports_fd, steps_fd), process.stdin)
             except OSError:  # it ended before reading them
                 raise TensorParallelError(
                     f"tensor-parallel rank {rank} failed to start: {_gone(process, 5)} "
@@ -325,7 +337,7 @@ class Workers:
         if channel is not None and in_step:
             try:
                 channel.send_shutdown()
-            except RuntimeError:  # a worker is gone
+            except (RuntimeError, OSError):  # a worker is gone (the group's error, or a pipe's)
                 in_step = False
         abort = self._abort_if_out_of_step(in_step)
         if self.runner is not None:
@@ -336,8 +348,8 @@ class Workers:
             _end(process, JOIN_SECONDS if in_step else 0)
         if self._watcher is not None:
             self._watcher.join(JOIN_SECONDS)
-        for reports in self._reports:
-            reports.close()
+        for pipe in self._reports + self._step_pipes:
+            pipe.close()
         if self.size > 1:
             torch.set_num_threads(self._num_threads)  # the caller's own again
 

@@ -5,10 +5,11 @@ env-style initialisation (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), so the sa
 starts under `torchrun` or from the engine's own launcher: NCCL on GPUs, gloo on the CPU
 (so tests of several ranks run anywhere). Layers read the group when they are built.
 
-Besides the device group every rank joins a gloo group on the CPU (`cpu_group`): rank 0
-broadcasts each step's batch through it, and the start-up agreements (the KV cache size, the
-barriers between graph breaks) run on it without touching the device's streams. Its timeout
-is long because a worker waits in it while the engine is idle.
+Besides the device group every rank joins a gloo group on the CPU (`cpu_group`): the
+start-up agreements (the KV cache size, the barriers between graph breaks) run on it without
+touching the device's streams, and so do each step's batches under torchrun (workers that
+rank 0 spawned read theirs from a pipe: `step_pipes`, `bcg.distributed.step_channel`). Its
+timeout is long because a worker waits in it while the engine is idle.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +49,9 @@ class TensorParallel:
     group: Any = None  # the torch.distributed group; None for a single process
     cpu_group: Any = None  # a gloo group of the same ranks, for host-side messages
     custom_all_reduce: CustomAllReduce | None = None  # else every all-reduce is the group's
+    # Each step's plan: rank 0's writing end to each worker it spawned, or such a worker's
+    # reading end; empty under torchrun (the plans go through cpu_group)
+    step_pipes: tuple[Connection, ...] = ()
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `total` items of `what`."""
@@ -138,6 +143,11 @@ def set_custom_all_reduce(custom: CustomAllReduce | None) -> None:
         custom.release_waits()
 
 
+def peer_failed() -> bool:
+    """Whether rank 0 recorded a failed worker in this group."""
+    return _peer_failed
+
+
 def release_custom_all_reduce_waits() -> None:
     """A peer of the group failed: end the waits of the custom all-reduce's kernel, the
     current one's and any set later in this group (one may be set while the failure is
@@ -186,13 +196,13 @@ def wait_for_spawned_group(store: dist.Store) -> None:
 
 
 def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = None,
-                         rank: int | None = None,
-                         device: torch.device | None = None) -> TensorParallel:
+                         rank: int | None = None, device: torch.device | None = None,
+                         step_pipes: tuple[Connection, ...] = ()) -> TensorParallel:
     """Join the process group of `size` ranks and make it current: env-style by default
     (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or through `store` as `rank` (a group of
-    workers that rank 0 spawned: `spawned_group_store`). On a GPU `device` binds the group
-    to it: NCCL's communicator is then created here, not at the first collective (inside a
-    step or a graph capture)."""
+    workers that rank 0 spawned: `spawned_group_store`, and their `step_pipes`). On a GPU
+    `device` binds the group to it: NCCL's communicator is then created here, not at the
+    first collective (inside a step or a graph capture)."""
     global _current
     global _peer_failed
     if size == 1:
@@ -216,7 +226,8 @@ def init_tensor_parallel(size: int, backend: str, store: dist.Store | None = Non
         raise ValueError(f"tensor_parallel_size={size} but the process group has "
                          f"{dist.get_world_size()} ranks (WORLD_SIZE): start one process per rank")
     cpu_group = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
-    _current = TensorParallel(dist.get_rank(), size, dist.group.WORLD, cpu_group)
+    _current = TensorParallel(dist.get_rank(), size, dist.group.WORLD, cpu_group,
+                              step_pipes=step_pipes)
     _connect_collectives(_current, device)
     return _current
 

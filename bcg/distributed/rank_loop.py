@@ -3,8 +3,9 @@ this rank's device, then run every step rank 0 sends (`StepPlan`) until it shuts
 
 Rank 0 launches the workers itself (`launcher`; here `run_started_worker` and
 `spawned_worker_main`: one host, devices 0..N-1, readiness to join and failure reported
-through a pipe), or torchrun starts every rank (`launched_worker_main`, env-style initialisation, on
-cuda:LOCAL_RANK).
+through a pipe, the steps read from another), or torchrun starts every rank
+(`launched_worker_main`, env-style initialisation, on cuda:LOCAL_RANK; the steps come by
+the CPU group's broadcast).
 """
 
 from __future__ import annotations
@@ -56,20 +57,24 @@ def rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
 
 
 def join_group(config: EngineConfig, store: dist.Store | None = None,
-               rank: int | None = None) -> TensorParallel:
+               rank: int | None = None,
+               step_pipes: tuple[Connection, ...] = ()) -> TensorParallel:
     """Join the tensor-parallel group on this rank's device (`config` from `rank_config`):
-    NCCL on GPUs, gloo on the CPU; env-style, or through `store` as `rank` (workers that
-    rank 0 spawned)."""
+    NCCL on GPUs, gloo on the CPU; env-style, or through `store` as `rank` with the
+    `step_pipes` between rank 0 and the workers it spawned."""
     device = config.torch_device
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return init_tensor_parallel(config.tensor_parallel_size, backend, store, rank, device)
+    return init_tensor_parallel(config.tensor_parallel_size, backend, store, rank, device,
+                                step_pipes)
 
 
 def serve_steps(config: EngineConfig, store_port: int | None = None,
                 rank: int | None = None,
-                before_joining: Callable[[], None] | None = None) -> None:
+                before_joining: Callable[[], None] | None = None,
+                step_pipe: Connection | None = None) -> None:
     """Join the group (calling `before_joining` first), build this rank's runner as rank 0
-    builds its own, and run rank 0's steps until it shuts down."""
+    builds its own, and run rank 0's steps (from `step_pipe`, if rank 0 spawned this
+    worker) until it shuts down."""
     from bcg.runner.startup import start_runner  # before "joining": the runner's imports
 
     # Spawned by rank 0 on its host: the device index is the rank. Under torchrun: LOCAL_RANK.
@@ -80,7 +85,7 @@ def serve_steps(config: EngineConfig, store_port: int | None = None,
     if store_port is not None:
         store = spawned_group_store(config.tensor_parallel_size, rank, store_port)
         wait_for_spawned_group(store)
-    join_group(config, store, rank)
+    join_group(config, store, rank, (step_pipe,) if step_pipe is not None else ())
     runner = start_runner(config)
     try:
         while (message := runner.step_channel.receive()) is not None:
@@ -109,22 +114,25 @@ def launched_worker_main(config: EngineConfig) -> NoReturn:
 def run_started_worker(stream: BinaryIO) -> None:
     """The program of a worker rank 0 started (`launcher.WORKER_PROGRAM`): read its entry
     point (`spawned_worker_main`, unless a test swapped it) and arguments, and run it with
-    its reports' pipe."""
-    entry, config, rank, store_port, reports_fd = pickle.load(stream)
-    os.set_inheritable(reports_fd, False)  # processes this one starts must not hold it open
-    entry(config, rank, store_port, Connection(reports_fd, readable=False))
+    its reports' pipe and its steps' pipe."""
+    entry, config, rank, store_port, reports_fd, steps_fd = pickle.load(stream)
+    for fd in (reports_fd, steps_fd):
+        os.set_inheritable(fd, False)  # processes this one starts must not hold them open
+    entry(config, rank, store_port, Connection(reports_fd, readable=False),
+          Connection(steps_fd, writable=False))
 
 
 def spawned_worker_main(config: EngineConfig, rank: int, store_port: int,
-                        reports: Connection) -> None:
-    """A worker that rank 0 spawned: serve steps, reporting "joining" just before it joins
-    the group (rank 0 waits for that, not for the group's rendezvous, which it cannot cut
-    short), and on any error report it (rank 0 raises it, naming this rank) and exit at
-    once: a collective left waiting on this rank then fails on rank 0 instead of hanging."""
+                        reports: Connection, steps: Connection) -> None:
+    """A worker that rank 0 spawned: serve the steps it reads from `steps`, reporting
+    "joining" just before it joins the group (rank 0 waits for that, not for the group's
+    rendezvous, which it cannot cut short), and on any error report it (rank 0 raises it,
+    naming this rank) and exit at once: a collective left waiting on this rank then fails
+    on rank 0 instead of hanging."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides
     _exit_with_parent()
     try:
-        serve_steps(config, store_port, rank, lambda: reports.send(("joining", "")))
+        serve_steps(config, store_port, rank, lambda: reports.send(("joining", "")), steps)
     except BaseException as error:  # noqa: BLE001 - reported, then the process ends
         _report(reports, error)
         os._exit(1)

@@ -225,10 +225,13 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
                 seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
                 spins += 1
                 # The device's note on the first spin (a wait answered at once reads neither),
-                # the host's flag every RELEASE_POLL.
-                released = tl.load(release_seen, mask=spins == 1, other=0, volatile=True) | \
-                    tl.load(released_flag, mask=spins % RELEASE_POLL == 0, other=0,
-                            volatile=True)
+                # the host's flag every RELEASE_POLL. Every warp must leave the loop at the
+                # same spin (the atomic above synchronises them), so each read gives every
+                # thread one value: an atomic's, or the maximum of the threads' loads.
+                if spins == 1:
+                    released = tl.atomic_add(release_seen, 0, sem="relaxed", scope="gpu")
+                if spins % RELEASE_POLL == 0:
+                    released = tl.max(tl.load(released_flag + cols * 0, volatile=True), 0)
     tl.store(release_seen, released, mask=released != 0)
     tl.debug_barrier()
     # Stored only once every warp has read it: each warp loads the count for itself, and one

@@ -30,7 +30,7 @@ from bcg.config import EngineConfig
 from bcg.distributed.custom_all_reduce import use_custom_all_reduce
 from bcg.distributed.expert_parallel import set_expert_parallel
 from bcg.distributed.parallel_state import set_custom_all_reduce, tensor_parallel
-from bcg.distributed.step_channel import StepChannel
+from bcg.distributed.step_channel import open_step_channel
 from bcg.distributed.symm_mem import use_torch_symm_mem
 from bcg.forward import (
     ForwardBatch,
@@ -118,7 +118,7 @@ class ModelRunner:
             self.model = load_model(source, self.dtype, self.device, config.seed)
         self.model_config = c = source.config
         tp = tensor_parallel()  # this rank's heads
-        self.step_channel = StepChannel(tp) if tp.size > 1 else None
+        self.step_channel = open_step_channel(tp) if tp.size > 1 else None
         self.num_heads = tp.shard(c.num_attention_heads, "num_attention_heads")[1]
         self.num_kv_heads = tp.kv_heads(c.num_key_value_heads)
         self.attention = attention_backend(self.device, self.num_heads, self.num_kv_heads,
