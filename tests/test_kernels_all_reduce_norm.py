@@ -1,6 +1,6 @@
 """The one-launch all-reduce of rows, alone and with the residual add + RMSNorm, on one
-process, a peer rank played by hand: its buffers are plain tensors, its rows already
-received and its signal already sent (Triton's interpreter on the CPU, fp32; bf16 on a GPU).
+process, a peer rank played by hand: its buffers are plain tensors and its rows already
+received (Triton's interpreter on the CPU, fp32; bf16 on a GPU).
 On the CPU also both ranks at once, as two processes sharing their buffers. Two GPUs run it
 for real in tests/test_custom_all_reduce.py and tests/test_symm_mem.py."""
 
@@ -23,29 +23,27 @@ MAX_ROWS, ROW_NUMEL = 8, 48
 SLOT_NUMEL = MAX_ROWS * ROW_NUMEL
 
 
-Buffers = tuple[list[torch.Tensor], list[torch.Tensor]]  # each rank's slots, its signals
-
-
-def two_ranks_buffers(shared: bool = False) -> Buffers:
-    """Both ranks' zeroed slots and signals (`shared`: in shared memory, for forked ranks)."""
-    data = [torch.zeros(2 * 2 * SLOT_NUMEL, dtype=DTYPE, device=DEVICE) for _ in range(2)]
-    flags = [torch.zeros(MAX_ROWS * 2, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+def two_ranks_buffers(shared: bool = False) -> list[torch.Tensor]:
+    """Both ranks' emptied slots (`shared`: in shared memory, for forked ranks)."""
+    data = [all_reduce_norm.PeerRows.empty_slots(
+        torch.empty(all_reduce_norm.PeerRows.region_numel(2, ROW_NUMEL, MAX_ROWS), dtype=DTYPE,
+                    device=DEVICE)) for _ in range(2)]
     if shared:
-        for tensor in data + flags:
+        for tensor in data:
             tensor.share_memory_()
-    return data, flags
+    return data
 
 
 class TwoRanks:
-    """Rank `rank`'s view of two ranks' slots and signals (`buffers`, new ones if None);
-    rank `1 - rank` simulated, or another process's own view of the same shared buffers."""
+    """Rank `rank`'s view of two ranks' slots (`buffers`, new ones if None); rank `1 - rank`
+    simulated, or another process's own view of the same shared buffers."""
 
-    def __init__(self, rank: int, buffers: Buffers | None = None) -> None:
-        self.data, self.flags = buffers or two_ranks_buffers()
+    def __init__(self, rank: int, buffers: list[torch.Tensor] | None = None) -> None:
+        self.data = buffers or two_ranks_buffers()
         self.rank, self.peer = rank, 1 - rank
         self.peers = all_reduce_norm.PeerRows(
-            [d.data_ptr() for d in self.data], [f.data_ptr() for f in self.flags], rank,
-            ROW_NUMEL, MAX_ROWS, DTYPE, torch.device(DEVICE))
+            [d.data_ptr() for d in self.data], rank, ROW_NUMEL, MAX_ROWS, DTYPE,
+            torch.device(DEVICE))
         if DEVICE.type == "cpu":  # the interpreter spins slowly: read the flag sooner
             self.peers.release_poll = 256
 
@@ -57,17 +55,21 @@ class TwoRanks:
         return slot[:rows, :width]
 
     def peer_sends(self, part: torch.Tensor, epoch: int) -> None:
-        """The peer's call `epoch`: its rows in this rank's slot for it, its signal in this
-        rank's flags."""
+        """The peer's call `epoch`: its rows in this rank's slot for it."""
         self.rows(self.rank, self.peer, epoch, *part.shape).copy_(part)
-        self.flags[self.rank].view(MAX_ROWS, 2)[: part.shape[0], self.peer] = epoch
 
     def check_sent(self, mine: torch.Tensor, epoch: int) -> None:
-        """This rank's rows went to the peer's slot for it, and its signal too."""
+        """This rank's rows went to the peer's slot for it, the peer's rows it read are
+        emptied, and the rows' call counts are `epoch`."""
         rows = mine.shape[0]
         assert torch.equal(self.rows(self.peer, self.rank, epoch, *mine.shape), mine)
-        assert self.flags[self.peer].view(MAX_ROWS, 2)[:rows, self.rank].tolist() == [epoch] * rows
+        assert is_empty(self.rows(self.rank, self.peer, epoch, *mine.shape)).all()
         assert self.peers.epochs[:rows].tolist() == [epoch] * rows
+
+
+def is_empty(values: torch.Tensor) -> torch.Tensor:
+    """Which elements are negative zeros (the kernel's empty slots)."""
+    return (values == 0) & torch.signbit(values)
 
 
 def call_and_expected(peers: all_reduce_norm.PeerRows,
@@ -128,7 +130,6 @@ def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int,
         epochs = (ranks.peers.epochs[:rows] + 1).tolist()
         for row, epoch in enumerate(epochs):  # the peer's call: each row at its own count
             ranks.rows(ranks.rank, ranks.peer, epoch, MAX_ROWS, width)[row].copy_(theirs[row])
-            ranks.flags[ranks.rank].view(MAX_ROWS, 2)[row, ranks.peer] = epoch
         parts = (mine, theirs) if rank == 0 else (theirs, mine)
         got, expected = call_and_expected(ranks.peers, parts, fused, draw)
         torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
@@ -139,18 +140,21 @@ def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int,
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_peer_already_at_its_next_call_is_not_waited_for(rank: int) -> None:
-    """The peer finished this call and signalled its next one: its rows for this call are
-    in the slot of this call's parity, and its newer signal lets this rank go on."""
+def test_negative_zeros_are_sent_as_zeros_and_slots_left_empty(rank: int) -> None:
+    """A part's negative zeros would read as not yet arrived at the peer: they go as
+    positive ones (the sum is the same), and the slot this rank read is left empty for the
+    peer's call two later."""
     draw, ranks = draws(10 + rank), TwoRanks(rank)
     mine, theirs = draw(3, 16), draw(3, 16)
+    mine[0, :4] = -0.0
     ranks.peer_sends(theirs, 1)
-    ranks.flags[ranks.rank].view(MAX_ROWS, 2)[:3, ranks.peer] = 2  # its call 2 began
     parts = (mine, theirs) if rank == 0 else (theirs, mine)
     expected = (parts[0].float() + parts[1].float()).to(DTYPE)
     got = all_reduce_norm.all_reduce_rows(mine, ranks.peers)
     torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
-    ranks.check_sent(mine, 1)
+    sent = ranks.rows(ranks.peer, ranks.rank, 1, 3, 16)
+    assert not is_empty(sent).any() and torch.equal(sent[0, :4], torch.zeros_like(sent[0, :4]))
+    ranks.check_sent(torch.where(is_empty(mine), torch.zeros_like(mine), mine), 1)
 
 
 RANK_SECONDS = 120  # a rank's calls take a second or two under the interpreter
@@ -160,7 +164,7 @@ CALLS = [(1, 48, False), (7, 48, False), (MAX_ROWS, 48, False), (MAX_ROWS, 32, T
          (3, 16, False), (MAX_ROWS, 48, True), (5, 40, False)]
 
 
-def rank_calls(rank: int, buffers: Buffers, results: multiprocessing.Queue) -> None:
+def rank_calls(rank: int, buffers: list[torch.Tensor], results: multiprocessing.Queue) -> None:
     """One rank's CALLS over the shared buffers; each result checked against the sum of both
     ranks' parts (the peer's drawn here from its own seed)."""
     try:

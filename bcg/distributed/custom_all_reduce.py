@@ -123,11 +123,12 @@ def use_custom_all_reduce(enabled: bool, dtype: torch.dtype,
     buffer, exports = None, None
     if reason is None:
         try:
-            buffer = torch.zeros(region_bytes(tp.size, dtype), dtype=torch.uint8, device=device)
+            buffer = PeerRows.empty_slots(
+                torch.empty(region_numel(tp.size, dtype), dtype=dtype, device=device))
             # One export per peer: each peer's import releases one count of the buffer.
             exports = [None if peer == tp.rank else reduce_tensor(buffer)[1]
                        for peer in range(tp.size)]
-            torch.cuda.synchronize(device)  # zeroed before any peer can signal into it
+            torch.cuda.synchronize(device)  # emptied before any peer can write into it
         except RuntimeError as error:
             reason = f"its buffer cannot be shared ({error})"
     if not agreed(tp, reason is None, reason, FEATURE):
@@ -160,16 +161,14 @@ def rows_unsupported(tp: TensorParallel) -> str | None:
     return None
 
 
-def region_bytes(world_size: int, dtype: torch.dtype) -> int:
-    """Bytes of the region each rank maps for the kernel: its slots, then its signals."""
-    return PeerRows.region_bytes(world_size, row_numel(dtype), MAX_ROWS, dtype)[1]
+def region_numel(world_size: int, dtype: torch.dtype) -> int:
+    """Elements of the region each rank maps for the kernel: its slots."""
+    return PeerRows.region_numel(world_size, row_numel(dtype), MAX_ROWS)
 
 
 def peer_rows(bases: list[int], rank: int, dtype: torch.dtype, device: torch.device) -> PeerRows:
     """The kernel's view of every rank's region (`bases`: their addresses, as mapped here)."""
-    slots = PeerRows.region_bytes(len(bases), row_numel(dtype), MAX_ROWS, dtype)[0]
-    return PeerRows(bases, [base + slots for base in bases], rank, row_numel(dtype), MAX_ROWS,
-                    dtype, device)
+    return PeerRows(bases, rank, row_numel(dtype), MAX_ROWS, dtype, device)
 
 
 def _map_peers(buffer: torch.Tensor, every_export: list[tuple], rank: int,

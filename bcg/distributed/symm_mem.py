@@ -31,7 +31,7 @@ from bcg.distributed.custom_all_reduce import (
     PeerRows,
     agreed,
     peer_rows,
-    region_bytes,
+    region_numel,
     rows_unsupported,
     unsupported,
 )
@@ -120,14 +120,15 @@ def use_torch_symm_mem(enabled: bool, dtype: torch.dtype, device: torch.device,
     if tp.size not in TWO_SHOT_WORLD_SIZES:  # the one-shot kernel only; larger go to NCCL
         max_bytes = min(max_bytes, one_shot_max_bytes)
     reason = _unsupported(tp, dtype, device)
-    # After the all-reduce's buffer: the fused kernel's region (its slots, then its signals).
+    # After the all-reduce's buffer: the fused kernel's region (its slots).
     fused = rows_unsupported(tp) is None
-    total_bytes = max_bytes + (region_bytes(tp.size, dtype) if fused else 0)
+    total_bytes = max_bytes + (region_numel(tp.size, dtype) * dtype.itemsize if fused else 0)
     buffer, reason = _allocate(total_bytes, dtype, device) if reason is None else (None, reason)
     # Every rank goes on to the rendezvous, or none: it waits for all of them.
     if agreed(tp, buffer is not None, reason, FEATURE):
-        buffer[max_bytes // buffer.element_size():].zero_()  # the signals start at zero
-        torch.cuda.synchronize(device)  # zero before any peer can signal into it
+        if fused:
+            PeerRows.empty_slots(buffer[max_bytes // buffer.element_size():])
+        torch.cuda.synchronize(device)  # emptied before any peer can write into it
         handle, reason = _rendezvous(buffer, tp.group.group_name)
         if agreed(tp, reason is None, reason, FEATURE):
             fused_rows = _fused_rows(buffer, handle, max_bytes) if fused else None

@@ -6,18 +6,22 @@ over the ranks, added to the residual and normalised: an all-reduce launch then 
 launch, each costing a few microseconds beyond its bytes. Here each program takes rows in
 turn (at most one program per multiprocessor, so all run at once and none waits for a row
 whose program on the peer cannot start) and, for each, writes its rank's part of the row
-into every peer's buffer (stores over NVLink need no answer, where
-reading a peer's memory waits for one), signals every peer, waits for every peer's signal,
-sums the parts in its own buffer in rank order (so every rank computes the same bits) and
-either writes the sum or adds and normalises the row as `bcg.kernels.rmsnorm.add_rms_norm`
-does.
+into every peer's buffer (stores over NVLink need no answer, where reading a peer's memory
+waits for one), reads its own buffer until every peer's part has arrived, sums the parts in
+rank order (so every rank computes the same bits) and either writes the sum or adds and
+normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does.
 
-The signals are call counters (`epochs`, one a row on each rank, the same on every rank as
-all ranks make the same calls), so no reset is needed between calls and a CUDA graph can
-replay the launch. Each rank's buffer has a slot per sender for each parity of the counter,
-and a row has the same place in a slot whatever the width of the call: a peer writes it
-again only two calls of that row later, after this rank's signal of the call between, which
-it sends once it has read the row.
+The data is its own signal (the one-shot "Lamport" scheme): an empty slot holds negative
+zeros (`EMPTY`), a sender sends its negative zeros as positive ones, so a part has arrived
+once none of its elements is a negative zero, and the receiver empties the slot once it has
+read it. No store waits for an answer and no fence waits for stores: a row costs one trip
+over NVLink (a signal after the data cost a second, about 1 µs a call). Each rank's buffer
+has a slot per sender for each parity of a row's call count (`epochs`, the same on every
+rank as all ranks make the same calls), and a row has the same place in a slot whatever the
+width of the call: a peer writes a slot again two calls of that row later, once it has this
+rank's part of the call between, which this rank sends in a later launch than the one that
+emptied the slot. So no reset is needed between calls and a CUDA graph can replay the
+launch.
 
 A wait has no deadline (one on the GPU's timer was tried and did not work: README, Tensor
 parallelism); instead the host can end a rank's waits for good (`release_waits`, when a
@@ -47,6 +51,7 @@ from bcg.kernels.rmsnorm import add_rms_norm_row
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
 RELEASE_POLL = 1 << 16  # spins between reads of the host's release flag (a read crosses PCIe)
+EMPTY = -0.0  # what an empty slot holds: no part is sent with a negative zero
 
 
 def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
@@ -89,15 +94,13 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
 
 class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
-    `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per counter
-    parity and sender) and of its `max_rows x world_size` int32 signals (zero before the
-    first call), this rank's row counters, the flag in pinned memory that ends its waits and
-    the device's note that a wait saw it (`flag_ptrs` holds their addresses after the ranks'
-    signals)."""
+    `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per call
+    parity and sender; `empty_slots` before the first call), this rank's row call counts,
+    the flag in pinned memory that ends its waits and the device's note that a wait saw it
+    (`release_ptrs` holds their addresses)."""
 
-    def __init__(self, data_addresses: list[int], flag_addresses: list[int], rank: int,
-                 row_numel: int, max_rows: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, data_addresses: list[int], rank: int, row_numel: int, max_rows: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.rank, self.world_size = rank, len(data_addresses)
         self.row_numel, self.max_rows, self.dtype = row_numel, max_rows, dtype
         # Pinned by cudaHostAlloc (torch's default), so its address is also the device's.
@@ -105,9 +108,9 @@ class PeerRows:
         self.data_ptrs = torch.tensor(data_addresses, dtype=torch.int64, device=device)
         self.release_poll = RELEASE_POLL
         self.release_seen = torch.zeros(1, dtype=torch.int32, device=device)
-        self.flag_ptrs = torch.tensor(
-            flag_addresses + [self.released.data_ptr(), self.release_seen.data_ptr()],
-            dtype=torch.int64, device=device)
+        self.release_ptrs = torch.tensor(
+            [self.released.data_ptr(), self.release_seen.data_ptr()], dtype=torch.int64,
+            device=device)
         self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
     def release_waits(self) -> None:
@@ -117,11 +120,15 @@ class PeerRows:
         self.released.fill_(1)
 
     @staticmethod
-    def region_bytes(world_size: int, row_numel: int, max_rows: int,
-                     dtype: torch.dtype) -> tuple[int, int]:
-        """(bytes of one rank's slots, bytes of its slots and the signals after them)."""
-        slots = 2 * world_size * max_rows * row_numel * dtype.itemsize
-        return slots, slots + max_rows * world_size * 4
+    def region_numel(world_size: int, row_numel: int, max_rows: int) -> int:
+        """Elements of one rank's slots."""
+        return 2 * world_size * max_rows * row_numel
+
+    @staticmethod
+    def empty_slots(slots: torch.Tensor) -> torch.Tensor:
+        """`slots` (a rank's, in the buffers' dtype) emptied, as the kernel needs them
+        before its first call."""
+        return slots.fill_(EMPTY)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` (`[rows, N]`) fits: the buffers' dtype and device, at most `max_rows`
@@ -149,7 +156,7 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
     programs = min(rows, multiprocessor_count(x.device))
     _launch(
         (programs,),
-        (x, residual, norm_weight, out, peers.data_ptrs, peers.flag_ptrs, peers.epochs),
+        (x, residual, norm_weight, out, peers.data_ptrs, peers.release_ptrs, peers.epochs),
         (eps, rows),
         {"N": width, "STRIDE_X": x.stride(0), "STRIDE_RES": residual.stride(0),
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
@@ -169,7 +176,7 @@ def _aligned(address, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rows"])
 def _all_reduce_rows_kernel(
-    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps, rows,
+    x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptrs, epochs_ptr, eps, rows,
     N: tl.constexpr,
     STRIDE_X: tl.constexpr,
     STRIDE_RES: tl.constexpr,
@@ -186,14 +193,14 @@ def _all_reduce_rows_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-        _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr,
+        _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptrs, epochs_ptr,
                     eps, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK, WORLD,
                     ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, RELEASE_POLL, ADD_NORM, BLOCK)
 
 
 @triton.jit
-def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, epochs_ptr, eps,
-                row, cols, mask, N: tl.constexpr, STRIDE_X: tl.constexpr,
+def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptrs, epochs_ptr,
+                eps, row, cols, mask, N: tl.constexpr, STRIDE_X: tl.constexpr,
                 STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr, RANK: tl.constexpr,
                 WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
                 EPOCH_MASK: tl.constexpr, RELEASE_POLL: tl.constexpr, ADD_NORM: tl.constexpr,
@@ -201,57 +208,74 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, flag_ptrs, 
     dtype = x_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL  # + sender x SLOT_NUMEL
-    x = tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0)
+    x = _not_empty(tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0))
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             peer_data = _aligned(tl.load(data_ptrs + peer), dtype)
             tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
-    tl.debug_barrier()  # the whole row stored before any peer hears of it
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer_flags + row * WORLD + RANK, epoch, sem="release", scope="sys")
-    own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    released_flag = tl.load(flag_ptrs + WORLD).to(tl.pointer_type(tl.int32))
-    release_seen = tl.load(flag_ptrs + WORLD + 1).to(tl.pointer_type(tl.int32))
-    ahead = (epoch + 1) & EPOCH_MASK  # a peer may already have signalled its next call
-    released = 0
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            signal = own_flags + row * WORLD + peer
-            seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
-            spins = 0
-            while (seen != epoch) & (seen != ahead) & (released == 0):
-                seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
-                spins += 1
-                # The device's note on the first spin (a wait answered at once reads neither),
-                # the host's flag every RELEASE_POLL. Every warp must leave the loop at the
-                # same spin (the atomic above synchronises them), so each read gives every
-                # thread one value: an atomic's, or the maximum of the threads' loads.
-                if spins == 1:
-                    released = tl.atomic_add(release_seen, 0, sem="relaxed", scope="gpu")
-                if spins % RELEASE_POLL == 0:
-                    released = tl.max(tl.load(released_flag + cols * 0, volatile=True), 0)
-    tl.store(release_seen, released, mask=released != 0)
-    tl.debug_barrier()
-    # Stored only once every warp has read it: each warp loads the count for itself, and one
-    # that read it after the store would take the next call's slot and wait for good.
-    tl.store(epochs_ptr + row, epoch)
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
+    released_flag = tl.load(release_ptrs).to(tl.pointer_type(tl.int32))
+    release_seen = tl.load(release_ptrs + 1).to(tl.pointer_type(tl.int32))
+    released = 0
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for sender in tl.static_range(WORLD):  # rank order: the same sum on every rank
         if sender == RANK:
             total += x.to(tl.float32)
         else:
-            # Past the caches: the slot held other values two calls ago.
-            total += tl.load(own_data + row_offset + sender * SLOT_NUMEL + cols, mask=mask,
-                             other=0.0, cache_modifier=".cv").to(tl.float32)
+            slot = own_data + row_offset + sender * SLOT_NUMEL + cols
+            # Past the caches, whole rows: elements arrive in any order. Every warp must
+            # leave the loop at the same spin, so each test gives every thread one value:
+            # the maximum over the row's threads, or an atomic's.
+            part = tl.load(slot, mask=mask, other=0.0, volatile=True)
+            spins = 0
+            while (tl.max(_is_empty(part).to(tl.int32), 0) != 0) & (released == 0):
+                part = tl.load(slot, mask=mask, other=0.0, volatile=True)
+                spins += 1
+                # The device's note on the first spin (a wait answered at once reads neither),
+                # the host's flag every RELEASE_POLL.
+                if spins == 1:
+                    released = tl.atomic_add(release_seen, 0, sem="relaxed", scope="gpu")
+                if spins % RELEASE_POLL == 0:
+                    released = tl.max(tl.load(released_flag + cols * 0, volatile=True), 0)
+            total += part.to(tl.float32)
+            tl.store(slot, _empty_like(part), mask=mask)
+    tl.store(release_seen, released, mask=released != 0)
+    tl.debug_barrier()
+    # Stored only once every warp has read it: each warp loads the count for itself, and one
+    # that read it after the store would take the next call's slot and wait for good.
+    tl.store(epochs_ptr + row, epoch)
     out_ptrs = out_ptr + row * STRIDE_OUT + cols
     if ADD_NORM:  # the sum rounded first, as the all-reduce's output would be
         add_rms_norm_row(total.to(dtype), residual_ptr + row * STRIDE_RES + cols, norm_w_ptr,
                          out_ptrs, cols, mask, eps, N, True)
     else:
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _is_empty(values):
+    """Which elements are negative zeros (EMPTY), by their bits (a float compare would
+    take them for zeros)."""
+    if values.dtype.primitive_bitwidth == 16:
+        return values.to(tl.int16, bitcast=True) == -32768
+    else:
+        return values.to(tl.int32, bitcast=True) == -2147483648
+
+
+@triton.jit
+def _empty_like(values):
+    """EMPTY in `values`' shape and dtype, by its bits."""
+    if values.dtype.primitive_bitwidth == 16:
+        return tl.full(values.shape, -32768, tl.int16).to(values.dtype, bitcast=True)
+    else:
+        return tl.full(values.shape, -2147483648, tl.int32).to(values.dtype, bitcast=True)
+
+
+@triton.jit
+def _not_empty(values):
+    """`values` with each negative zero made a positive one, so no sent element reads as
+    not yet arrived."""
+    return tl.where(_is_empty(values), tl.zeros_like(values), values)
 
 
 _launch = CachedLauncher(_all_reduce_rows_kernel)
