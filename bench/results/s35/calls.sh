@@ -2,6 +2,10 @@
 # Session 35's device calls (two H200s): bash bench/results/s35/calls.sh a|b|...
 #   a  s34's candidates (pipe_step_channel.diff + uniform_release_reads.diff) in /tmp/cand:
 #      their several-GPU tests, then bench_hybrid decode: main tp1 tp2, cand tp2, main tp2
+#   b  the Lamport all-reduce (this tree, branch lamport) against main (/tmp/main: this tree
+#      less lamport.diff):
+#      its kernel and two-GPU tests, then bench_hybrid and bench_tp decode interleaved;
+#      every log in $OUT/logs.tgz
 source bench/results/hang_s29/common.sh
 MAIN=$PWD
 cand_tree() {  # /tmp/cand: this tree with the named diffs applied
@@ -10,11 +14,14 @@ cand_tree() {  # /tmp/cand: this tree with the named diffs applied
   cd "$MAIN"
 }
 hybrid() {  # name tree configs...: bench_hybrid decode in tree, its JSON to $OUT/name.json
-  local name=$1 tree=$2; shift 2
-  (cd $tree && PYTHONPATH=/tmp/site:$tree run $name 200 python bench/bench_hybrid.py \
+  bench_decode bench_hybrid "$@"
+}
+bench_decode() {  # bench name tree configs...: its decode rows, its JSON to $OUT/name.json
+  local bench=$1 name=$2 tree=$3; shift 3
+  (cd $tree && PYTHONPATH=/tmp/site:$tree run $name 240 python bench/$bench.py \
      --configs "$@" --parts decode
-   cp bench/results/bench_hybrid.json $OUT/$name.json)
-  sed -n '/decode engine step/,/tp2 \/ tp1/p' $OUT/$name.log | grep -v "not measured\|floor:\|eager"
+   cp bench/results/$bench.json $OUT/$name.json)
+  grep -E "^ +tp[0-9].* [0-9]+ +[0-9.]+ |decode step at batch 1: [0-9]" $OUT/$name.log
 }
 case "$1" in
   a) cand_tree "$MAIN/bench/results/s34/pipe_step_channel.diff" \
@@ -27,5 +34,21 @@ case "$1" in
      run car 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_all_reduce.py tests/test_symm_mem.py
      GPU_CHECK_FILES=multi GPU_CHECK_K="tiny-llama or dying or tiny-nemotron_h" bash scripts/gpu_check.sh "tests multi_gpu" 2>&1 | tail -3
      ;;
-  *) echo "usage: $0 a"; exit 2 ;;
+  b) rm -rf /tmp/main && cp -r "$MAIN" /tmp/main && (cd /tmp/main &&
+       git apply -R "$MAIN/bench/results/s35/lamport.diff") || exit 1
+     export OUT_ALL=$OUT && export OUT=/tmp/out && mkdir -p $OUT
+     GPU_CHECK_FILES=single bash scripts/gpu_check.sh "tests kernels_all_reduce_norm" 2>&1 | tail -1
+     run car 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_all_reduce.py tests/test_symm_mem.py
+     grep -E "passed|failed" $OUT/car.log | tail -2
+     hybrid h1_main /tmp/main tp1 tp2
+     hybrid h2_lamport $PWD tp2
+     hybrid h3_main /tmp/main tp2
+     hybrid h4_lamport $PWD tp1 tp2
+     bench_decode bench_tp t1_main /tmp/main tp1 tp2
+     bench_decode bench_tp t2_lamport $PWD tp2
+     bench_decode bench_tp t3_main /tmp/main tp2
+     bench_decode bench_tp t4_lamport $PWD tp1 tp2
+     GPU_CHECK_FILES=multi GPU_CHECK_K="dying" bash scripts/gpu_check.sh "tests multi_gpu" 2>&1 | tail -1
+     tar czf $OUT_ALL/logs.tgz -C $OUT . ;;
+  *) echo "usage: $0 a|b"; exit 2 ;;
 esac
