@@ -1,7 +1,8 @@
 """Decode-sized linear layers (1 to 16 rows, bf16): cuBLAS (`F.linear`) against the skinny
 kernel (`bcg/kernels/skinny_linear.py`), on the projections of qwen3-0.6b, qwen3-8b at tp1
 and tp2, qwen3-30b-a3b's attention and nemotron-h-8b's MLP at tp1 and tp2 (its attention
-has qwen3-8b's shapes). The MLP's first projection is
+has qwen3-8b's shapes), and the logits head of each (a rank's slice of the vocabulary).
+The MLP's first projection is
 timed as the engine runs it, the GEMM then the activation (SiLU-and-mul of gate/up, or
 NemotronH's squared ReLU of up), against the kernel with the activation fused.
 
@@ -13,7 +14,8 @@ the kernel's config, and `engine_uses` (whether the engine takes the kernel for 
 `skinny_linear.fills_device`); `--tune` sweeps configs per shape and row count and keeps
 the best.
 JSON: bench/results/bench_skinny_linear.json.
-Run: PYTHONPATH=. python bench/bench_skinny_linear.py [--rows 1 8 16] [--models ...] [--tune]
+Run: PYTHONPATH=. python bench/bench_skinny_linear.py [--rows 1 8 16] [--models ...]
+[--projs ...] [--tune]
 """
 
 from __future__ import annotations
@@ -48,13 +50,13 @@ from bcg.models.presets import PRESETS  # noqa: E402
 
 # (preset, tensor-parallel size, its projections timed: MoE experts are another kernel's,
 # and nemotron-h-8b's attention has qwen3-8b's shapes)
-MODELS = [("qwen3-0.6b", 1, "attention mlp"), ("qwen3-8b", 1, "attention mlp"),
-          ("qwen3-8b", 2, "attention mlp"), ("qwen3-30b-a3b", 1, "attention"),
-          ("nemotron-h-8b", 1, "mlp"), ("nemotron-h-8b", 2, "mlp")]
+MODELS = [("qwen3-0.6b", 1, "attention mlp head"), ("qwen3-8b", 1, "attention mlp head"),
+          ("qwen3-8b", 2, "attention mlp head"), ("qwen3-30b-a3b", 1, "attention"),
+          ("nemotron-h-8b", 1, "mlp head"), ("nemotron-h-8b", 2, "mlp head")]
 
 
 def projections(preset: str, tp: int, parts: str) -> dict[str, tuple[int, int, str | None]]:
-    """One rank's projections of `preset` among `parts` ("attention", "mlp"): name -> (N, K,
+    """One rank's projections of `preset` among `parts` ("attention", "mlp", "head"): name -> (N, K,
     activation), the weight `[N, K]` (`skinny_linear`'s activations; SiLU-and-mul halves
     N). KV heads are replicated below tp. A hybrid's MLP (NemotronH) is up, squared ReLU,
     down; the others' gate/up, down."""
@@ -72,6 +74,8 @@ def projections(preset: str, tp: int, parts: str) -> dict[str, tuple[int, int, s
         else:
             shapes["gate_up"] = (2 * intermediate, hidden, "silu_and_mul")
         shapes["down"] = (hidden, intermediate, None)
+    if "head" in parts:
+        shapes["lm_head"] = (-(-c["vocab_size"] // tp), hidden, None)
     return shapes
 
 
@@ -163,6 +167,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--models", nargs="+", default=sorted({m for m, _ in SHAPES}),
                         choices=sorted({m for m, _ in SHAPES}))
+    parser.add_argument("--projs", nargs="+", default=sorted({p for _, p in SHAPES}),
+                        choices=sorted({p for _, p in SHAPES}))
     parser.add_argument("--tune", action="store_true",
                         help=f"sweep {len(TUNE_GRID)} configs per shape and row count")
     args = parser.parse_args()
@@ -171,7 +177,7 @@ def main() -> None:
     hbm_gbs = hbm_bandwidth_gbs()
     rows = [measure(model, proj, count, hbm_gbs, args.tune)
             for (model, proj), count in itertools.product(SHAPES, args.rows)
-            if model in args.models]
+            if model in args.models and proj in args.projs]
     write_results("bench_skinny_linear", {"hbm_gbs": hbm_gbs, "rows": rows})
     print_table(f"decode-sized linear layers, µs per call in CUDA graphs (HBM {hbm_gbs:.0f} GB/s)",
                 ["model", "proj", "rows", "N x K", "cuBLAS", "skinny", "skinny/cuBLAS",

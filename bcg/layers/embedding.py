@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
-from bcg.layers.linear import check_shape
+from bcg.layers.linear import check_shape, linear
 from bcg.utils import cdiv
 
 
@@ -53,5 +53,5 @@ class LMHead(VocabSlice):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` logits on every rank."""
-        logits = self.tp.all_gather_last_dim(F.linear(hidden_states, self.weight))
+        logits = self.tp.all_gather_last_dim(linear(hidden_states, self.weight))
         return logits[:, : self.vocab_size]

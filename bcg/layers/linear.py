@@ -66,19 +66,26 @@ class Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                activation: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + bias` (into `out` if given, with no activation), then `activation`:
-        `"silu_and_mul"` of the output's halves `[gate | up]` or `"relu_squared"`.
-        Decode-sized steps on CUDA take the skinny kernel, the activation fused (one launch);
-        the rest cuBLAS."""
-        assert activation is None or out is None, "an activated projection writes a new tensor"
-        if triton_ops.uses_skinny_linear(x, self.weight, activation):
-            return triton_ops.skinny_linear(x, self.weight, bias, activation=activation, out=out)
-        if activation is not None:
-            return activate(F.linear(x, self.weight, bias), activation)
-        if out is None:
-            return F.linear(x, self.weight, bias)
-        if bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(bias, x, self.weight.t(), out=out)
+        `"silu_and_mul"` of the output's halves `[gate | up]` or `"relu_squared"`."""
+        return linear(x, self.weight, bias, activation, out)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x weight^T + bias` (into `out` if given, with no activation), then `activation`.
+    Decode-sized steps on CUDA take the skinny kernel, the activation fused (one launch);
+    the rest cuBLAS (whose kernels for a few rows read a wide weight at about half the HBM
+    bandwidth: README, bench_skinny_linear)."""
+    assert activation is None or out is None, "an activated projection writes a new tensor"
+    if triton_ops.uses_skinny_linear(x, weight, activation):
+        return triton_ops.skinny_linear(x, weight, bias, activation=activation, out=out)
+    if activation is not None:
+        return activate(F.linear(x, weight, bias), activation)
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 class ColumnParallelLinear(Linear):
