@@ -6,6 +6,10 @@
 #      less lamport.diff):
 #      its kernel and two-GPU tests, then bench_hybrid and bench_tp decode interleaved;
 #      every log in $OUT/logs.tgz
+#   c  the logits head through the skinny kernel (this tree, branch head, on the Lamport
+#      merge) against main (/tmp/main: this tree less head.diff): the head's shapes in
+#      bench_skinny_linear, the one-GPU test files the head touches (two lanes), bench_hybrid
+#      and bench_tp decode A/B, then the tiny several-GPU models; logs in $OUT/logs.tgz
 source bench/results/hang_s29/common.sh
 MAIN=$PWD
 cand_tree() {  # /tmp/cand: this tree with the named diffs applied
@@ -50,5 +54,20 @@ case "$1" in
      bench_decode bench_tp t4_lamport $PWD tp1 tp2
      GPU_CHECK_FILES=multi GPU_CHECK_K="dying" bash scripts/gpu_check.sh "tests multi_gpu" 2>&1 | tail -1
      tar czf $OUT_ALL/logs.tgz -C $OUT . ;;
-  *) echo "usage: $0 a|b"; exit 2 ;;
+  c) rm -rf /tmp/main && cp -r "$MAIN" /tmp/main && (cd /tmp/main &&
+       git apply -R "$MAIN/bench/results/s35/head.diff") || exit 1
+     export OUT_ALL=$OUT && export OUT=/tmp/out && mkdir -p $OUT
+     run skinny 90 python bench/bench_skinny_linear.py --projs lm_head --rows 1 8 16
+     grep -E "lm_head" $OUT/skinny.log
+     GPU_CHECK_LANES=2 GPU_CHECK_FILES=single timeout 200 bash scripts/gpu_check.sh \
+       "tests graph_runners_gpu models_hf engine_generate" 2>&1 | tail -4
+     hybrid h1_head $PWD tp1 tp2
+     hybrid h2_main /tmp/main tp1 tp2
+     bench_decode bench_tp t1_head $PWD tp1 tp2
+     bench_decode bench_tp t2_main /tmp/main tp1 tp2
+     tar czf $OUT_ALL/logs.tgz -C $OUT .
+     GPU_CHECK_FILES=multi GPU_CHECK_K="tiny-llama or tiny-nemotron_h" timeout 150 \
+       bash scripts/gpu_check.sh "tests multi_gpu" 2>&1 | tail -1
+     tar czf $OUT_ALL/logs.tgz -C $OUT . ;;
+  *) echo "usage: $0 a|b|c"; exit 2 ;;
 esac
