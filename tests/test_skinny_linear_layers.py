@@ -1,7 +1,7 @@
-"""The linear layers and the MLP through the skinny kernel (the interpreter on the CPU, fp32):
-a tiny Llama's and a tiny NemotronH's logits with decode-sized steps on the kernel, the MLP's
-activation fused into its first projection (SiLU-and-mul of gate/up, squared ReLU of up),
-match those of PyTorch's matmuls. On CUDA the layers take the kernel for
+"""The linear layers, the logits head and the MLP through the skinny kernel (the interpreter
+on the CPU, fp32): a tiny Llama's and a tiny NemotronH's logits with decode-sized steps on
+the kernel, the MLP's activation fused into its first projection (SiLU-and-mul of gate/up,
+squared ReLU of up), match those of PyTorch's matmuls. On CUDA the layers take the kernel for
 steps of up to 16 rows in bf16 and fp16 (`triton_ops.uses_skinny_linear`)."""
 
 import pytest

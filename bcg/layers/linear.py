@@ -74,8 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            activation: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x weight^T + bias` (into `out` if given, with no activation), then `activation`.
     Decode-sized steps on CUDA take the skinny kernel, the activation fused (one launch);
-    the rest cuBLAS (whose kernels for a few rows read a wide weight at about half the HBM
-    bandwidth: README, bench_skinny_linear)."""
+    the rest cuBLAS."""
     assert activation is None or out is None, "an activated projection writes a new tensor"
     if triton_ops.uses_skinny_linear(x, weight, activation):
         return triton_ops.skinny_linear(x, weight, bias, activation=activation, out=out)
