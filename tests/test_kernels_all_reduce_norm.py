@@ -157,6 +157,41 @@ def test_negative_zeros_are_sent_as_zeros_and_slots_left_empty(rank: int) -> Non
     ranks.check_sent(torch.where(is_empty(mine), torch.zeros_like(mine), mine), 1)
 
 
+def slot(region: torch.Tensor, world: int, epoch: int, sender: int) -> torch.Tensor:
+    """`sender`'s slot in a rank's region (`world` ranks) for calls of `epoch`'s parity."""
+    start = ((epoch % 2) * world + sender) * SLOT_NUMEL
+    return region[start:start + SLOT_NUMEL].view(MAX_ROWS, ROW_NUMEL)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_four_ranks_parts_sum_in_rank_order(rank: int) -> None:
+    """At four ranks (three peers played by hand, their parts already sent): the sum of all
+    four in rank order, this rank's part in every peer's slot for it, its own slots left
+    empty, over both parities."""
+    world, rows, width = 4, 3, 40
+    regions = [all_reduce_norm.PeerRows.empty_slots(torch.empty(
+        all_reduce_norm.PeerRows.region_numel(world, ROW_NUMEL, MAX_ROWS), dtype=DTYPE,
+        device=DEVICE)) for _ in range(world)]
+    peers = all_reduce_norm.PeerRows([r.data_ptr() for r in regions], rank, ROW_NUMEL,
+                                     MAX_ROWS, DTYPE, torch.device(DEVICE))
+    draw = draws(20 + rank)
+    for epoch in (1, 2, 3):
+        parts = [draw(rows, width) for _ in range(world)]
+        for sender in range(world):
+            if sender != rank:
+                slot(regions[rank], world, epoch, sender)[:rows, :width].copy_(parts[sender])
+        total = parts[0].float()
+        for part in parts[1:]:
+            total = total + part.float()
+        got = all_reduce_norm.all_reduce_rows(parts[rank], peers)
+        torch.testing.assert_close(got, total.to(DTYPE), atol=TOLERANCE, rtol=TOLERANCE)
+        for other in range(world):
+            if other != rank:
+                sent = slot(regions[other], world, epoch, rank)[:rows, :width]
+                assert torch.equal(sent, parts[rank])
+                assert is_empty(slot(regions[rank], world, epoch, other)[:rows, :width]).all()
+
+
 RANK_SECONDS = 120  # a rank's calls take a second or two under the interpreter
 # (rows, width, fused) of the two-process test: more rows than the interpreter's programs
 # (each program takes several), counts and widths changing, both slots of each row used.

@@ -5,7 +5,9 @@ buffers that the ranks of one host map through CUDA IPC, instead of NCCL.
 A decode step of a tensor-parallel model all-reduces one hidden state per token twice a
 layer; at a few KiB, latency, not the bytes, sets their cost, and NCCL's launch, protocol and
 the norm launch after it cost more than the bytes. Each rank writes its rows into every
-peer's buffer and signals them; each sums what it received. Messages of up to `MAX_ROWS`
+peer's buffer; each reads its own buffer until every peer's rows have arrived (an empty
+slot holds negative zeros, which no sent row carries), sums them and empties the slots.
+Messages of up to `MAX_ROWS`
 rows of up to `MAX_ROW_BYTES` (a decode batch of 256 at hidden 8192 in bf16) take it; larger
 ones (prefill chunks), other dtypes and traced code (`torch.compile`) stay on the group's
 backend.

@@ -20,8 +20,10 @@ has a slot per sender for each parity of a row's call count (`epochs`, the same 
 rank as all ranks make the same calls), and a row has the same place in a slot whatever the
 width of the call: a peer writes a slot again two calls of that row later, once it has this
 rank's part of the call between, which this rank sends in a later launch than the one that
-emptied the slot. So no reset is needed between calls and a CUDA graph can replay the
-launch.
+emptied the slot. That order comes from the stream (the launches of a rank run one after
+another), not from fences: no launch may overlap the one before it on the same `PeerRows`
+(no programmatic dependent launch, no second stream). So no reset is needed between calls
+and a CUDA graph can replay the launch.
 
 A wait has no deadline (one on the GPU's timer was tried and did not work: README, Tensor
 parallelism); instead the host can end a rank's waits for good (`release_waits`, when a
@@ -51,7 +53,8 @@ from bcg.kernels.rmsnorm import add_rms_norm_row
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
 RELEASE_POLL = 1 << 16  # spins between reads of the host's release flag (a read crosses PCIe)
-EMPTY = -0.0  # what an empty slot holds: no part is sent with a negative zero
+EMPTY = -0.0  # what an empty slot holds: no part is sent with a negative zero (the kernel's
+# _is_empty and _empty_like spell it by its bits, 0x8000 and 0x80000000)
 
 
 def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
@@ -76,7 +79,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
         x: `[rows, N]`, this rank's part, last dim contiguous; `peers.takes(x)`.
         residual: `[rows, N]`, `x`'s dtype, updated in place.
         norm_weight: `[N]`.
-        peers: the ranks' mapped slots and signals.
+        peers: the ranks' mapped slots (emptied at set-up), this rank's row call counts
+            and release flag.
 
     Returns `(out, residual)`, `out` new.
     """

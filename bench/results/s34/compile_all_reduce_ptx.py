@@ -8,7 +8,7 @@ sys.path.insert(0, ".")
 from bcg.kernels import all_reduce_norm as m
 k = m._all_reduce_rows_kernel
 sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "out_ptr": "*bf16",
-       "data_ptrs": "*i64", "flag_ptrs": "*i64", "epochs_ptr": "*i32", "eps": "fp32", "rows": "i32"}
+       "data_ptrs": "*i64", "release_ptrs": "*i64", "epochs_ptr": "*i32", "eps": "fp32", "rows": "i32"}
 consts = {"N": 4096, "STRIDE_X": 4096, "STRIDE_RES": 4096, "STRIDE_OUT": 4096, "RANK": 0,
           "WORLD": int(sys.argv[1]), "ROW_NUMEL": 8192, "SLOT_NUMEL": 8192 * 256, "EPOCH_MASK": m.EPOCH_MASK,
           "RELEASE_POLL": m.RELEASE_POLL, "ADD_NORM": True, "BLOCK": 4096}
