@@ -69,5 +69,13 @@ case "$1" in
      GPU_CHECK_FILES=multi GPU_CHECK_K="tiny-llama or tiny-nemotron_h" timeout 150 \
        bash scripts/gpu_check.sh "tests multi_gpu" 2>&1 | tail -1
      tar czf $OUT_ALL/logs.tgz -C $OUT . ;;
-  *) echo "usage: $0 a|b|c"; exit 2 ;;
+  e) # the projection's epilogue sending its parts (this tree, ar_epilogue.diff) against main:
+     # its two-GPU tests, then bench_hybrid tp2 decode on each tree (the last of the budget)
+     rm -rf /tmp/main && cp -r "$MAIN" /tmp/main && (cd /tmp/main &&
+       git apply -R "$MAIN/bench/results/s35/ar_epilogue.diff") || exit 1
+     run car 70 python -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_all_reduce.py
+     run kernels 30 python -m pytest -q -p no:cacheprovider tests/test_kernels_all_reduce_norm.py
+     hybrid h1_epilogue $PWD tp2
+     hybrid h2_main /tmp/main tp2 ;;
+  *) echo "usage: $0 a|b|c|e"; exit 2 ;;
 esac
