@@ -3,7 +3,8 @@ wall time of every engine step of a qwen3-8b decode at batch 64, tp1 and tp2, se
 rounds of bench_decode's measurement each, so one slow round shows whether a few steps
 stall (a host pause) or every step is slower (a device state).
 Run from the repository root: python bench/results/s32/step_times_probe.py [rounds] [model]
-(session 33 added the model: nemotron-h-8b showed the slow runs twice there)
+[sizes] (session 33 added the model: nemotron-h-8b showed the slow runs twice there;
+session 35 the tensor-parallel sizes, comma-separated, default 1,2: e.g. 2,4 on four GPUs)
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def step_times(llm: LLM, seed: str) -> list[float]:
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     model = sys.argv[2] if len(sys.argv) > 2 else "qwen3-8b"
-    for tp in (1, 2):
+    sizes = [int(size) for size in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 2]
+    for tp in sizes:
         llm = LLM(model, load_format="dummy", dtype="bfloat16", tensor_parallel_size=tp,
                   max_model_len=1024, max_num_seqs=BATCH, decode_graph_bs=str(BATCH),
                   prefill_graph="none")
