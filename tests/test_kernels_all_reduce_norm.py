@@ -23,6 +23,12 @@ MAX_ROWS, ROW_NUMEL = 8, 48
 SLOT_NUMEL = MAX_ROWS * ROW_NUMEL
 
 
+def slot(region: torch.Tensor, world: int, epoch: int, sender: int) -> torch.Tensor:
+    """`sender`'s slot in a rank's region (`world` ranks) for calls of `epoch`'s parity."""
+    start = ((epoch % 2) * world + sender) * SLOT_NUMEL
+    return region[start:start + SLOT_NUMEL].view(MAX_ROWS, ROW_NUMEL)
+
+
 def two_ranks_buffers(shared: bool = False) -> list[torch.Tensor]:
     """Both ranks' emptied slots (`shared`: in shared memory, for forked ranks)."""
     data = [all_reduce_norm.PeerRows.empty_slots(
@@ -50,9 +56,7 @@ class TwoRanks:
     def rows(self, receiver: int, sender: int, epoch: int, rows: int, width: int) -> torch.Tensor:
         """The rows `sender` sent `receiver` in its call `epoch`: each row has its place in
         the slot whatever the width."""
-        start = ((epoch % 2) * 2 + sender) * SLOT_NUMEL
-        slot = self.data[receiver][start:start + SLOT_NUMEL].view(MAX_ROWS, ROW_NUMEL)
-        return slot[:rows, :width]
+        return slot(self.data[receiver], 2, epoch, sender)[:rows, :width]
 
     def peer_sends(self, part: torch.Tensor, epoch: int) -> None:
         """The peer's call `epoch`: its rows in this rank's slot for it."""
@@ -155,12 +159,6 @@ def test_negative_zeros_are_sent_as_zeros_and_slots_left_empty(rank: int) -> Non
     sent = ranks.rows(ranks.peer, ranks.rank, 1, 3, 16)
     assert not is_empty(sent).any() and torch.equal(sent[0, :4], torch.zeros_like(sent[0, :4]))
     ranks.check_sent(torch.where(is_empty(mine), torch.zeros_like(mine), mine), 1)
-
-
-def slot(region: torch.Tensor, world: int, epoch: int, sender: int) -> torch.Tensor:
-    """`sender`'s slot in a rank's region (`world` ranks) for calls of `epoch`'s parity."""
-    start = ((epoch % 2) * world + sender) * SLOT_NUMEL
-    return region[start:start + SLOT_NUMEL].view(MAX_ROWS, ROW_NUMEL)
 
 
 @pytest.mark.parametrize("rank", [0, 2])
