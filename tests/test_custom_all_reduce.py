@@ -5,7 +5,8 @@ reaches the engine, and that on the CPU (gloo, 2 processes) every rank stays on 
 backend: silently for this default, logged for `--enable-torch-symm-mem`. GPU (2 GPUs,
 NCCL): its sums equal NCCL's in bf16, fp16 and fp32, eagerly and replayed from CUDA graphs
 on fresh data, alone and fused with the residual add and the RMSNorm (bit for bit: two
-ranks' sum has one rounding in any order).
+ranks' sum has one rounding in any order), and so do a row-parallel projection's parts
+sent from the skinny kernel's epilogue (bf16 and fp16).
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ from bcg.runner import model_runner
 from bcg.utils import free_port
 from tests.hf_tiny import save_tiny_model
 from tests.test_symm_mem import (
+    EPS,
     check_fused_eager,
     check_fused_graph_replays,
     check_graph_replays,
+    fused_inputs,
     nccl_sum,
+    unfused,
 )
 from tests.test_symm_mem import cpu_kernel as symm_mem_cpu_kernel
 
@@ -160,6 +164,45 @@ def check_rows(kernel: PeerAllReduce, shape: tuple[int, ...], dtype: torch.dtype
     torch.testing.assert_close(got, nccl_sum(x), rtol=0, atol=0, msg=f"{shape} {dtype}")
 
 
+def check_projected(kernel: PeerAllReduce, rows: int, dtype: torch.dtype,
+                    device: torch.device, rank: int) -> None:
+    """The projection's parts sent from the skinny kernel's epilogue, then reduced, added
+    and normalised: eagerly, then twice in a CUDA graph replayed on fresh inputs; against
+    the skinny kernel's own output summed by NCCL, then `add_rms_norm`."""
+    from bcg.kernels.skinny_linear import skinny_linear  # needs Triton: GPU runs only
+
+    def inputs(seed: int) -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(seed + rank)
+        x = torch.randn(rows, 2048, generator=generator).to(device, dtype)
+        return (x, *fused_inputs(rows, dtype, device, rank, seed)[1:])
+
+    weight = (torch.randn(4096, 2048, generator=torch.Generator().manual_seed(7 + rank))
+              * 2048**-0.5).to(device, dtype)
+    x, residual, norm_weight = inputs(rows)
+    assert kernel.takes_projection_add_rms_norm(x, weight, residual), (rows, dtype)
+    expected, expected_residual = unfused(skinny_linear(x, weight), residual, norm_weight)
+    out, got_residual = kernel.projection_add_rms_norm(x, weight, residual, norm_weight, EPS)
+    torch.testing.assert_close(got_residual, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, msg=f"{rows} rows, {dtype}")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = kernel.projection_add_rms_norm(x, weight, residual, norm_weight, EPS)
+        out, _ = kernel.projection_add_rms_norm(x * 0.5, weight, residual, norm_weight, EPS)
+    for trial in range(3):
+        fresh_x, fresh_residual, _ = inputs(100 + trial)
+        x.copy_(fresh_x)
+        residual.copy_(fresh_residual)
+        graph.replay()
+        expected, expected_residual = unfused(skinny_linear(fresh_x, weight), fresh_residual,
+                                              norm_weight)
+        expected, expected_residual = unfused(skinny_linear(fresh_x * 0.5, weight),
+                                              expected_residual, norm_weight)
+        torch.testing.assert_close(residual, expected_residual, msg=f"replay {trial}")
+        torch.testing.assert_close(out, expected, msg=f"replay {trial}")
+    graph.reset()
+
+
 def gpu_rank_main(rank: int, port: int) -> None:
     device = join_gpu_group(rank, port)
     try:
@@ -177,6 +220,9 @@ def gpu_rank_main(rank: int, port: int) -> None:
             for rows in (7, 1, MAX_ROWS, 7, 3):  # the slots alternate per row's call count
                 check_fused_eager(kernel, rows, dtype, device, rank)
             check_fused_graph_replays(kernel, dtype, device, rank)
+            if dtype != torch.float32:  # the skinny kernel's dtypes
+                for rows in (1, 16, 5):
+                    check_projected(kernel, rows, dtype, device, rank)
             set_custom_all_reduce(None)
     except BaseException:
         traceback.print_exc()  # leaving the group may wait for the peer: say why first

@@ -17,6 +17,7 @@ from tests.kernels_support import DEVICE, DTYPE, TOLERANCE, import_kernels
 
 all_reduce_norm = import_kernels("all_reduce_norm")
 rmsnorm = import_kernels("rmsnorm")
+skinny = import_kernels("skinny_linear")
 
 EPS = 1e-6
 MAX_ROWS, ROW_NUMEL = 8, 48
@@ -88,6 +89,27 @@ def call_and_expected(peers: all_reduce_norm.PeerRows,
     residual, weight = draw(*mine.shape), draw(mine.shape[1])
     expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
     return all_reduce_norm.all_reduce_add_rms_norm(mine, residual, weight, EPS, peers)[0], expected
+
+
+def projection_parts(number: int, rows: int, width: int) -> tuple[tuple, tuple]:
+    """Both ranks' inputs and weights of projected call `number` (K = 24), drawn from seeds
+    either rank knows, and the parts they give (rounded as the kernel rounds its output)."""
+    inputs = tuple(draws(300 * number + r)(rows, 24) for r in (0, 1))
+    weights = tuple(draws(400 * number + r)(width, 24) for r in (0, 1))
+    parts = tuple((x.float() @ w.float().T).to(DTYPE) for x, w in zip(inputs, weights, strict=True))
+    return tuple(zip(inputs, weights, strict=True)), parts
+
+
+def projected_call_and_expected(peers: all_reduce_norm.PeerRows, number: int, rows: int,
+                                width: int, draw) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's projection sent from the skinny kernel's epilogue, then the reduce of the
+    sent parts with the add and the norm, and what that must return."""
+    operands, parts = projection_parts(number, rows, width)
+    total = (parts[0].float() + parts[1].float()).to(DTYPE)
+    residual, weight = draw(rows, width), draw(width)
+    expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
+    skinny.skinny_linear_to_peers(*operands[peers.rank], peers)
+    return all_reduce_norm.gathered_add_rms_norm(residual, weight, EPS, peers)[0], expected
 
 
 def draws(seed: int):
@@ -190,11 +212,38 @@ def test_four_ranks_parts_sum_in_rank_order(rank: int) -> None:
                 assert is_empty(slot(regions[rank], world, epoch, other)[:rows, :width]).all()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rows,width", [(1, 48), (5, 40)])
+def test_a_projection_sent_from_its_epilogue_sums_with_the_peers_part(rank: int, rows: int,
+                                                                      width: int) -> None:
+    """The skinny kernel sends this rank's projection into both ranks' slots for it (its
+    own included) and the reduce after it takes every part from the slots, sums, adds and
+    normalises, emptying them; the calls' counts go on as for the kernel's own sends."""
+    ranks = TwoRanks(rank)
+    for epoch in (1, 2, 3):
+        operands, parts = projection_parts(epoch, rows, width)
+        ranks.peer_sends(parts[ranks.peer], epoch)
+        draw = draws(epoch)
+        got, expected = projected_call_and_expected(ranks.peers, epoch, rows, width, draw)
+        torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        sent = ranks.rows(ranks.peer, ranks.rank, epoch, rows, width)
+        torch.testing.assert_close(sent, parts[rank], atol=TOLERANCE, rtol=TOLERANCE)
+        assert is_empty(ranks.rows(ranks.rank, ranks.rank, epoch, rows, width)).all()
+        assert is_empty(ranks.rows(ranks.rank, ranks.peer, epoch, rows, width)).all()
+        assert ranks.peers.epochs[:rows].tolist() == [epoch] * rows
+    x = torch.zeros(1, 24, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="fits the peers' slots"):
+        skinny.skinny_linear_to_peers(x, torch.zeros(ROW_NUMEL + 1, 24, dtype=DTYPE,
+                                                     device=DEVICE), ranks.peers)
+
+
 RANK_SECONDS = 120  # a rank's calls take a second or two under the interpreter
-# (rows, width, fused) of the two-process test: more rows than the interpreter's programs
-# (each program takes several), counts and widths changing, both slots of each row used.
-CALLS = [(1, 48, False), (7, 48, False), (MAX_ROWS, 48, False), (MAX_ROWS, 32, True),
-         (3, 16, False), (MAX_ROWS, 48, True), (5, 40, False)]
+# (rows, width, kind) of the two-process test: more rows than the interpreter's programs
+# (each program takes several), counts and widths changing, both slots of each row used,
+# calls that send their parts themselves among those sent from a projection's epilogue.
+CALLS = [(1, 48, "plain"), (7, 48, "plain"), (MAX_ROWS, 48, "plain"), (MAX_ROWS, 32, "fused"),
+         (3, 16, "projected"), (3, 16, "plain"), (MAX_ROWS, 48, "fused"), (5, 40, "projected"),
+         (MAX_ROWS, 48, "projected"), (5, 40, "plain")]
 
 
 def rank_calls(rank: int, buffers: list[torch.Tensor], results: multiprocessing.Queue) -> None:
@@ -202,9 +251,13 @@ def rank_calls(rank: int, buffers: list[torch.Tensor], results: multiprocessing.
     ranks' parts (the peer's drawn here from its own seed)."""
     try:
         peers = TwoRanks(rank, buffers).peers
-        for number, (rows, width, fused) in enumerate(CALLS):
-            parts = tuple(draws(100 * number + r)(rows, width) for r in (0, 1))
-            got, expected = call_and_expected(peers, parts, fused, draws(number))
+        for number, (rows, width, kind) in enumerate(CALLS):
+            if kind == "projected":
+                got, expected = projected_call_and_expected(peers, number, rows, width,
+                                                            draws(number))
+            else:
+                parts = tuple(draws(100 * number + r)(rows, width) for r in (0, 1))
+                got, expected = call_and_expected(peers, parts, kind == "fused", draws(number))
             torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE,
                                        msg=f"rank {rank}, call {number}")
         results.put((rank, None))

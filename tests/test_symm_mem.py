@@ -313,3 +313,45 @@ def test_the_kernel_sums_as_nccl_does_eagerly_and_in_graphs_on_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     mp.spawn(gpu_rank_main, args=(free_port(),), nprocs=2, join=True)
+
+
+class FakeProjectingKernel(FakeFusedKernel):
+    """Also runs a row-parallel projection with the all-reduce + add + norm after it, for
+    at most `largest_fused` rows; counts those calls."""
+
+    def __init__(self) -> None:
+        super().__init__(largest=8, largest_fused=2)
+        self.projected = 0
+
+    def takes_projection_add_rms_norm(self, x, weight, residual) -> bool:
+        return x.shape[0] <= self.largest_fused
+
+    def projection_add_rms_norm(self, x, weight, residual, norm_weight, eps):
+        self.projected += 1
+        return self.add_rms_norm(x @ weight.T, residual, norm_weight, eps)
+
+
+def test_a_row_parallel_projection_on_the_skinny_kernel_sends_its_part_itself(monkeypatch):
+    """`RowParallelLinear.add_and_norm`: where the skinny kernel takes the step and the
+    custom all-reduce the projection, one call of the kernel's projection + reduce; else the
+    projection, then the norm's path (here the group's all-reduce, then add and norm)."""
+    from bcg.layers import linear, triton_ops
+    from bcg.layers.norm import RMSNorm
+
+    monkeypatch.setattr(triton_ops, "uses_skinny_linear",
+                        lambda x, weight, activation=None: x.shape[0] <= 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group: x.mul_(2))
+    kernel = FakeProjectingKernel()
+    tp = TensorParallel(0, 2, group="world", custom_all_reduce=kernel)
+    monkeypatch.setattr(linear, "tensor_parallel", lambda: tp)
+    layer, norm = linear.RowParallelLinear(8, 4), RMSNorm(4, eps=1e-6)
+    layer.weight.data = torch.randn(4, 4)
+    for rows, projected in ((2, True), (3, False)):
+        x, residual = torch.randn(rows, 4), torch.randn(rows, 4)
+        summed = x @ layer.weight.T * 2
+        expected = ((norm.weight * (residual + summed), residual + summed) if projected
+                    else norm.add_and_norm(summed, residual.clone()))
+        before = kernel.projected
+        got = layer.add_and_norm(x, residual.clone(), norm)
+        assert kernel.projected - before == projected
+        torch.testing.assert_close(got, expected)

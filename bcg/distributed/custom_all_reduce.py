@@ -38,7 +38,14 @@ from bcg.distributed.parallel_state import (
 )
 
 try:
-    from bcg.kernels.all_reduce_norm import PeerRows, all_reduce_add_rms_norm, all_reduce_rows
+    from bcg.kernels.all_reduce_norm import (
+        PeerRows,
+        all_reduce_add_rms_norm,
+        all_reduce_rows,
+        gathered_add_rms_norm,
+    )
+    from bcg.kernels.skinny_linear import MAX_ROWS as PROJECTION_MAX_ROWS
+    from bcg.kernels.skinny_linear import skinny_linear_to_peers
 except ImportError:  # no Triton: no kernel
     PeerRows = None
 
@@ -91,6 +98,27 @@ class PeerAllReduce:
         residual)`, in one launch."""
         self._check_open()
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.rows)
+
+    def takes_projection_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
+                                      residual: torch.Tensor) -> bool:
+        """Whether `projection_add_rms_norm` takes the row-parallel projection `x @
+        weight.T` (`[rows, K]` by `[N, K]`, rows at most the skinny kernel's) with the
+        all-reduce, add and norm after it: as `takes_add_rms_norm` for its output. Every rank
+        answers alike. The caller checks that the skinny kernel suits the weight."""
+        return (x.dim() == 2 and x.shape[0] <= PROJECTION_MAX_ROWS and x.is_contiguous()
+                and x.dtype == weight.dtype
+                and residual.shape == (x.shape[0], weight.shape[0])
+                and self.takes_add_rms_norm(residual, residual))
+
+    def projection_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
+                                residual: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rms_norm(x @ weight.T, ...)` in two launches: the projection sends each
+        output tile to every rank as it finishes it, and the reduce after it only waits for
+        the parts, sums, adds and normalises."""
+        self._check_open()
+        skinny_linear_to_peers(x, weight, self.rows)
+        return gathered_add_rms_norm(residual, norm_weight, eps, self.rows)
 
     def release_waits(self) -> None:
         """End this rank's waits in the kernel for good (a peer died mid-step): its steps

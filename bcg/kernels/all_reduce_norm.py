@@ -9,7 +9,12 @@ whose program on the peer cannot start) and, for each, writes its rank's part of
 into every peer's buffer (stores over NVLink need no answer, where reading a peer's memory
 waits for one), reads its own buffer until every peer's part has arrived, sums the parts in
 rank order (so every rank computes the same bits) and either writes the sum or adds and
-normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does.
+normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does. A row-parallel projection on
+the skinny kernel can send its part itself instead (`send_tile`, from
+`bcg.kernels.skinny_linear.skinny_linear_to_peers`): each of its programs stores its output
+tile in every rank's slot as it finishes, so the parts cross NVLink while the projection's
+other programs still run, and the reduce after it (`gathered_add_rms_norm`) only waits,
+sums, adds and normalises.
 
 The data is its own signal (the one-shot "Lamport" scheme): an empty slot holds negative
 zeros (`EMPTY`), a sender sends its negative zeros as positive ones, so a part has arrived
@@ -96,6 +101,20 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
     return out, residual
 
 
+def gathered_add_rms_norm(residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          peers: PeerRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """`all_reduce_add_rms_norm` of parts every rank already sent (`send_tile`, from the
+    epilogue of the projection before: `bcg.kernels.skinny_linear.skinny_linear_to_peers`),
+    this rank's own among them, for the rows and width of `residual`."""
+    if not peers.takes(residual) or norm_weight.shape != (residual.shape[-1],):
+        raise ValueError(
+            f"gathered_add_rms_norm takes residual {_fitting(peers)}, and norm_weight [N]; got "
+            f"residual {_described(residual)}, norm_weight {tuple(norm_weight.shape)}")
+    out = torch.empty_like(residual)
+    _run(residual, residual, norm_weight, out, float(eps), peers, add_norm=True, sent=True)
+    return out, residual
+
+
 class PeerRows:
     """What the kernel needs of the ranks' mapped memory: for each rank the address of its
     `2 x world_size` slots of `max_rows` rows of `row_numel` elements (one slot per call
@@ -152,7 +171,7 @@ def _described(x: torch.Tensor) -> str:
 
 
 def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor,
-         eps: float, peers: PeerRows, add_norm: bool) -> None:
+         eps: float, peers: PeerRows, add_norm: bool, sent: bool = False) -> None:
     rows, width = x.shape
     block = next_power_of_2(width)
     # At most a program per multiprocessor, each taking rows in turn: every program then runs
@@ -166,7 +185,7 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
          "ROW_NUMEL": peers.row_numel, "SLOT_NUMEL": peers.row_numel * peers.max_rows,
          "EPOCH_MASK": EPOCH_MASK, "RELEASE_POLL": peers.release_poll, "ADD_NORM": add_norm,
-         "BLOCK": block},
+         "SENT": sent, "BLOCK": block},
         num_warps=min(16, max(1, block // 256)),
     )
 
@@ -192,6 +211,7 @@ def _all_reduce_rows_kernel(
     EPOCH_MASK: tl.constexpr,
     RELEASE_POLL: tl.constexpr,
     ADD_NORM: tl.constexpr,  # else write the sum
+    SENT: tl.constexpr,  # every rank's part is already in the slots (send_tile), x unread
     BLOCK: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK)
@@ -199,7 +219,7 @@ def _all_reduce_rows_kernel(
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptrs, epochs_ptr,
                     eps, row, cols, mask, N, STRIDE_X, STRIDE_RES, STRIDE_OUT, RANK, WORLD,
-                    ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, RELEASE_POLL, ADD_NORM, BLOCK)
+                    ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK, RELEASE_POLL, ADD_NORM, SENT, BLOCK)
 
 
 @triton.jit
@@ -208,39 +228,28 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptr
                 STRIDE_RES: tl.constexpr, STRIDE_OUT: tl.constexpr, RANK: tl.constexpr,
                 WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
                 EPOCH_MASK: tl.constexpr, RELEASE_POLL: tl.constexpr, ADD_NORM: tl.constexpr,
-                BLOCK: tl.constexpr):
-    dtype = x_ptr.dtype.element_ty
+                SENT: tl.constexpr, BLOCK: tl.constexpr):
+    dtype = residual_ptr.dtype.element_ty
     epoch = (tl.load(epochs_ptr + row) + 1) & EPOCH_MASK
     row_offset = (epoch & 1) * WORLD * SLOT_NUMEL + row * ROW_NUMEL  # + sender x SLOT_NUMEL
-    x = _not_empty(tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0))
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            peer_data = _aligned(tl.load(data_ptrs + peer), dtype)
-            tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
+    if not SENT:
+        x = _not_empty(tl.load(x_ptr + row * STRIDE_X + cols, mask=mask, other=0.0))
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                peer_data = _aligned(tl.load(data_ptrs + peer), dtype)
+                tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     released_flag = tl.load(release_ptrs).to(tl.pointer_type(tl.int32))
     release_seen = tl.load(release_ptrs + 1).to(tl.pointer_type(tl.int32))
     released = 0
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for sender in tl.static_range(WORLD):  # rank order: the same sum on every rank
-        if sender == RANK:
+        if sender == RANK and not SENT:
             total += x.to(tl.float32)
         else:
             slot = own_data + row_offset + sender * SLOT_NUMEL + cols
-            # Past the caches, whole rows: elements arrive in any order. Every warp must
-            # leave the loop at the same spin, so each test gives every thread one value:
-            # the maximum over the row's threads, or an atomic's.
-            part = tl.load(slot, mask=mask, other=0.0, volatile=True)
-            spins = 0
-            while (tl.max(_is_empty(part).to(tl.int32), 0) != 0) & (released == 0):
-                part = tl.load(slot, mask=mask, other=0.0, volatile=True)
-                spins += 1
-                # The device's note on the first spin (a wait answered at once reads neither),
-                # the host's flag every RELEASE_POLL.
-                if spins == 1:
-                    released = tl.atomic_add(release_seen, 0, sem="relaxed", scope="gpu")
-                if spins % RELEASE_POLL == 0:
-                    released = tl.max(tl.load(released_flag + cols * 0, volatile=True), 0)
+            part, released = _arrived(slot, mask, cols, released, released_flag, release_seen,
+                                      RELEASE_POLL)
             total += part.to(tl.float32)
             tl.store(slot, _empty_like(part), mask=mask)
     tl.store(release_seen, released, mask=released != 0)
@@ -257,9 +266,49 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptr
 
 
 @triton.jit
+def _arrived(slot, mask, cols, released, released_flag, release_seen,
+             RELEASE_POLL: tl.constexpr):
+    """A sender's part of a row, read from `slot` (past the caches, the whole row: elements
+    arrive in any order) until none is EMPTY or the waits are `released`: (part, released).
+    Every warp must leave the loop at the same spin, so each test gives every thread one
+    value: the maximum over the row's threads, or an atomic's."""
+    part = tl.load(slot, mask=mask, other=0.0, volatile=True)
+    spins = 0
+    while (tl.max(_is_empty(part).to(tl.int32), 0) != 0) & (released == 0):
+        part = tl.load(slot, mask=mask, other=0.0, volatile=True)
+        spins += 1
+        # The device's note on the first spin (a wait answered at once reads neither), the
+        # host's flag every RELEASE_POLL.
+        if spins == 1:
+            released = tl.atomic_add(release_seen, 0, sem="relaxed", scope="gpu")
+        if spins % RELEASE_POLL == 0:
+            released = tl.max(tl.load(released_flag + cols * 0, volatile=True), 0)
+    return part, released
+
+
+@triton.jit
+def send_tile(tile, rows, cols, row_mask, col_mask, data_ptrs, epochs_ptr, RANK: tl.constexpr,
+              WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
+              EPOCH_MASK: tl.constexpr):
+    """Store `tile` (this rank's part of rows `rows`, columns `cols`, in the buffers' dtype)
+    in every rank's slot for this rank, its own included, where the reduce after it
+    (`gathered_add_rms_norm`) reads it: for a projection's epilogue, so the parts travel
+    while the projection's other programs still run."""
+    epoch = (tl.load(epochs_ptr + rows, mask=row_mask, other=0) + 1) & EPOCH_MASK
+    offsets = ((epoch & 1) * (WORLD * SLOT_NUMEL) + RANK * SLOT_NUMEL + rows * ROW_NUMEL)[:, None] \
+        + cols[None, :]
+    tile = _not_empty(tile)
+    for rank in tl.static_range(WORLD):
+        data = _aligned(tl.load(data_ptrs + rank), tile.dtype)
+        tl.store(data + offsets, tile, mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
 def _is_empty(values):
     """Which elements are negative zeros (EMPTY), by their bits (a float compare would
     take them for zeros)."""
+    tl.static_assert((values.dtype.primitive_bitwidth == 16)
+                     | (values.dtype.primitive_bitwidth == 32))
     if values.dtype.primitive_bitwidth == 16:
         return values.to(tl.int16, bitcast=True) == -32768
     else:

@@ -29,6 +29,7 @@ from bcg.kernels._launch import (
     multiprocessor_count,
     require_last_dim_contiguous,
 )
+from bcg.kernels.all_reduce_norm import EPOCH_MASK, PeerRows, send_tile
 from bcg.utils import cdiv
 
 MAX_ROWS = 16  # the smallest tile tl.dot multiplies; more rows go to cuBLAS
@@ -95,28 +96,62 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         require_last_dim_contiguous(name, tensor)
     if rows == 0:
         return out
-    config = config or CONFIGS.for_device(x.is_cuda)
-    tensors = (x, weight, out, out if bias is None else bias)  # out: a bias never read
+    _run(x, weight, bias, activation, out, config or CONFIGS.for_device(x.is_cuda), None)
+    return out
+
+
+def skinny_linear_to_peers(x: torch.Tensor, weight: torch.Tensor, peers: PeerRows) -> None:
+    """This rank's part `x @ weight.T` of a tensor-parallel sum, written straight into every
+    rank's slot for it (`bcg.kernels.all_reduce_norm.send_tile`) instead of an output: each
+    program sends its columns as it finishes, so the parts cross NVLink while the others
+    still run, and `gathered_add_rms_norm` sums them without a send of its own. Every rank
+    of `peers` must make the same calls; `x` `[rows, K]`, rows at most MAX_ROWS, the
+    output `[rows, N]` within what `peers` takes."""
+    rows, n = x.shape[0], weight.shape[0]
+    if rows > MAX_ROWS or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype \
+            or not peers.takes(x.new_empty(rows, n)):
+        raise ValueError(
+            f"skinny_linear_to_peers takes at most {MAX_ROWS} rows of K columns and a weight "
+            f"[N, K] of x's dtype whose output fits the peers' slots; got x {tuple(x.shape)} "
+            f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    for name, tensor in (("x", x), ("weight", weight)):
+        require_last_dim_contiguous(name, tensor)
+    _run(x, weight, None, None, x, CONFIGS.for_device(x.is_cuda), peers)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         activation: str | None, out: torch.Tensor, config: SkinnyConfig,
+         peers: PeerRows | None) -> None:
+    """Launch the kernel: into `out`, or (`peers`) into every rank's slot for this rank."""
+    gated = activation == "silu_and_mul"
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    sends = peers is not None
+    tensors = (x, weight, out, out if bias is None else bias,  # out: a bias never read
+               peers.data_ptrs if sends else out, peers.epochs if sends else out)
     _launch(
         (cdiv(n, config.block_n),),
         tensors,
-        (rows,),
-        {"N": n, "K": k, "STRIDE_X": x.stride(0), "STRIDE_W": weight.stride(0),
+        (x.shape[0],),
+        {"N": n, "K": weight.shape[1], "STRIDE_X": x.stride(0), "STRIDE_W": weight.stride(0),
          "STRIDE_OUT": out.stride(0), "GATED": gated,
          "RELU_SQUARED": activation == "relu_squared", "HAS_BIAS": bias is not None,
-         "EVEN_N": n % config.block_n == 0, "EVEN_K": k % config.block_k == 0,
+         "EVEN_N": n % config.block_n == 0, "EVEN_K": weight.shape[1] % config.block_k == 0,
          # fp32 (CPU tests) multiplies exactly; bf16 and fp16 use the tensor cores either way
          "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+         "SEND": sends, "RANK": peers.rank if sends else 0,
+         "WORLD": peers.world_size if sends else 1,
+         "ROW_NUMEL": peers.row_numel if sends else 0,
+         "SLOT_NUMEL": peers.row_numel * peers.max_rows if sends else 0,
+         "EPOCH_MASK": EPOCH_MASK,
          "BLOCK_M": MAX_ROWS, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k},
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return out
 
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, out_ptr, bias_ptr,
+    x_ptr, w_ptr, out_ptr, bias_ptr, data_ptrs, epochs_ptr,
     num_rows,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -129,6 +164,12 @@ def _skinny_linear_kernel(
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    SEND: tl.constexpr,  # into every rank's slot (send_tile), not out_ptr
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    ROW_NUMEL: tl.constexpr,
+    SLOT_NUMEL: tl.constexpr,
+    EPOCH_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -159,8 +200,13 @@ def _skinny_linear_kernel(
     if RELU_SQUARED:
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
-    out_ptrs = out_ptr + rows[:, None] * STRIDE_OUT + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    if SEND:
+        send_tile(acc.to(x_ptr.dtype.element_ty), rows, cols, row_mask, col_mask, data_ptrs,
+                  epochs_ptr, RANK, WORLD, ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK)
+    else:
+        out_ptrs = out_ptr + rows[:, None] * STRIDE_OUT + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit

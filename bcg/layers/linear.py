@@ -156,9 +156,17 @@ class RowParallelLinear(Linear):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """`norm.add_and_norm(self(x), residual)`; without a bias the ranks' sum is left to
-        the norm, which runs the all-reduce, the add and the norm as one kernel where it can."""
+        the norm, which runs the all-reduce, the add and the norm as one kernel where it can,
+        or, for decode-sized steps on the skinny kernel, to the group's custom all-reduce: the
+        projection sends its output tiles to every rank as it goes, and one kernel after it
+        sums them, adds and normalises."""
         if self.bias is not None:
             return norm.add_and_norm(self(x), residual)
+        fused = self.tp.custom_all_reduce if self.tp.size > 1 else None
+        if (residual is not None and fused is not None
+                and triton_ops.uses_skinny_linear(x, self.weight)
+                and fused.takes_projection_add_rms_norm(x, self.weight, residual)):
+            return fused.projection_add_rms_norm(x, self.weight, residual, norm.weight, norm.eps)
         return norm.add_and_norm(self.matmul(x, None), residual, self.tp)
 
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:
