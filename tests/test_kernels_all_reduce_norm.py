@@ -30,10 +30,10 @@ def slot(region: torch.Tensor, world: int, epoch: int, sender: int) -> torch.Ten
     return region[start:start + SLOT_NUMEL].view(MAX_ROWS, ROW_NUMEL)
 
 
-def two_ranks_buffers(shared: bool = False) -> list[torch.Tensor]:
+def two_ranks_buffers(shared: bool = False, dtype: torch.dtype = DTYPE) -> list[torch.Tensor]:
     """Both ranks' emptied slots (`shared`: in shared memory, for forked ranks)."""
     data = [all_reduce_norm.PeerRows.empty_slots(
-        torch.empty(all_reduce_norm.PeerRows.region_numel(2, ROW_NUMEL, MAX_ROWS), dtype=DTYPE,
+        torch.empty(all_reduce_norm.PeerRows.region_numel(2, ROW_NUMEL, MAX_ROWS), dtype=dtype,
                     device=DEVICE)) for _ in range(2)]
     if shared:
         for tensor in data:
@@ -45,11 +45,12 @@ class TwoRanks:
     """Rank `rank`'s view of two ranks' slots (`buffers`, new ones if None); rank `1 - rank`
     simulated, or another process's own view of the same shared buffers."""
 
-    def __init__(self, rank: int, buffers: list[torch.Tensor] | None = None) -> None:
-        self.data = buffers or two_ranks_buffers()
+    def __init__(self, rank: int, buffers: list[torch.Tensor] | None = None,
+                 dtype: torch.dtype = DTYPE) -> None:
+        self.data = buffers or two_ranks_buffers(dtype=dtype)
         self.rank, self.peer = rank, 1 - rank
         self.peers = all_reduce_norm.PeerRows(
-            [d.data_ptr() for d in self.data], rank, ROW_NUMEL, MAX_ROWS, DTYPE,
+            [d.data_ptr() for d in self.data], rank, ROW_NUMEL, MAX_ROWS, dtype,
             torch.device(DEVICE))
         if DEVICE.type == "cpu":  # the interpreter spins slowly: read the flag sooner
             self.peers.release_poll = 256
@@ -112,11 +113,11 @@ def projected_call_and_expected(peers: all_reduce_norm.PeerRows, number: int, ro
     return all_reduce_norm.gathered_add_rms_norm(residual, weight, EPS, peers)[0], expected
 
 
-def draws(seed: int):
+def draws(seed: int, dtype: torch.dtype = DTYPE):
     generator = torch.Generator().manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(DEVICE, DTYPE)
+        return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
 
     return draw
 
@@ -165,17 +166,19 @@ def test_rows_of_changing_counts_and_widths_sum_as_the_ranks_parts(rank: int,
         assert ranks.peers.epochs[:rows].tolist() == epochs
 
 
+@pytest.mark.parametrize("dtype", [DTYPE, torch.float16], ids=str)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_negative_zeros_are_sent_as_zeros_and_slots_left_empty(rank: int) -> None:
+def test_negative_zeros_are_sent_as_zeros_and_slots_left_empty(rank: int,
+                                                                dtype: torch.dtype) -> None:
     """A part's negative zeros would read as not yet arrived at the peer: they go as
     positive ones (the sum is the same), and the slot this rank read is left empty for the
-    peer's call two later."""
-    draw, ranks = draws(10 + rank), TwoRanks(rank)
+    peer's call two later. Also in fp16, whose negative zero has its own bits."""
+    draw, ranks = draws(10 + rank, dtype), TwoRanks(rank, dtype=dtype)
     mine, theirs = draw(3, 16), draw(3, 16)
     mine[0, :4] = -0.0
     ranks.peer_sends(theirs, 1)
     parts = (mine, theirs) if rank == 0 else (theirs, mine)
-    expected = (parts[0].float() + parts[1].float()).to(DTYPE)
+    expected = (parts[0].float() + parts[1].float()).to(dtype)
     got = all_reduce_norm.all_reduce_rows(mine, ranks.peers)
     torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
     sent = ranks.rows(ranks.peer, ranks.rank, 1, 3, 16)

@@ -1,0 +1,17 @@
+#!/bin/bash
+# Session 36's device calls (two H200s, `nvidia-h200-x2`): bash bench/results/s36/calls.sh a|...
+#   a  on main with the epilogue all-reduce merged: the all-reduce kernel tests (now also
+#      fp16 negative zeros), the MoE splits in every graph mode, then bench_moe decode at
+#      tp1, tp2 and ep2-allreduce; logs in $OUT/logs.tgz
+source bench/results/hang_s29/common.sh
+export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
+case "$1" in
+  a) run kernels 60 python -m pytest -q -p no:cacheprovider tests/test_kernels_all_reduce_norm.py
+     run moe_multi 330 python -m pytest -q -m gpu -p no:cacheprovider -k \
+       "qwen3_moe or qwen3-30b-a3b" tests/test_multi_gpu.py
+     run moe_bench 240 python bench/bench_moe.py --configs tp1 tp2 ep2-allreduce --parts decode
+     cp bench/results/bench_moe.json $OUT/ 2>/dev/null
+     grep -E "^ +(tp|ep)[0-9].* [0-9.]+ |batch 1" $OUT/moe_bench.log ;;
+  *) echo "usage: $0 a"; exit 2 ;;
+esac
+tar czf $OUT_ALL/logs.tgz -C $OUT .
