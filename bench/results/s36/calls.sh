@@ -3,6 +3,9 @@
 #   a  on main with the epilogue all-reduce merged: the all-reduce kernel tests (now also
 #      fp16 negative zeros), the MoE splits in every graph mode, then bench_moe decode at
 #      tp1, tp2 and ep2-allreduce; logs in $OUT/logs.tgz
+#   b  four GPUs (`nvidia-h100-x4`): qwen3-32b split four ways in every graph mode (its o and
+#      down projections take the epilogue send at four ranks), s32's per-step probe at tp2
+#      and tp4 (any slow steps left at four ranks?), bench_multi_gpu's tp4 decode
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -12,6 +15,13 @@ case "$1" in
      run moe_bench 240 python bench/bench_moe.py --configs tp1 tp2 ep2-allreduce --parts decode
      cp bench/results/bench_moe.json $OUT/ 2>/dev/null
      grep -E "^ +(tp|ep)[0-9].* [0-9.]+ |batch 1" $OUT/moe_bench.log ;;
-  *) echo "usage: $0 a"; exit 2 ;;
+  b) run multi4 230 python -m pytest -q -m gpu -p no:cacheprovider -k qwen3-32b-tp4 \
+       tests/test_multi_gpu.py
+     run probe4 180 python bench/results/s32/step_times_probe.py 2 nemotron-h-8b 2,4
+     tail -8 $OUT/probe4.log
+     run bench4 160 python bench/bench_multi_gpu.py --configs qwen3-32b-tp4 --parts decode
+     cp bench/results/bench_multi_gpu.json $OUT/ 2>/dev/null
+     grep -E "qwen3-32b-tp4 +[0-9]+ " $OUT/bench4.log ;;
+  *) echo "usage: $0 a|b"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
