@@ -6,6 +6,8 @@
 #   b  four GPUs (`nvidia-h100-x4`): qwen3-32b split four ways in every graph mode (its o and
 #      down projections take the epilogue send at four ranks), s32's per-step probe at tp2
 #      and tp4 (any slow steps left at four ranks?), bench_multi_gpu's tp4 decode
+#   d  another two-H200 machine: bench_hybrid decode twice and bench_tp decode once, tp1 and
+#      tp2 in each run (issue 17's ratio on a second machine)
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -22,6 +24,12 @@ case "$1" in
      run bench4 160 python bench/bench_multi_gpu.py --configs qwen3-32b-tp4 --parts decode
      cp bench/results/bench_multi_gpu.json $OUT/ 2>/dev/null
      grep -E "qwen3-32b-tp4 +[0-9]+ " $OUT/bench4.log ;;
-  *) echo "usage: $0 a|b"; exit 2 ;;
+  d) for name in h1 t1 h2; do
+       bench=$([ ${name:0:1} = h ] && echo bench_hybrid || echo bench_tp)
+       run $name 200 python bench/$bench.py --configs tp1 tp2 --parts decode
+       cp bench/results/$bench.json $OUT/$name.json
+       grep -E "^ +tp[0-9] +[0-9]+ +[0-9.]+ |decode step at batch 1: [0-9]" $OUT/$name.log
+     done ;;
+  *) echo "usage: $0 a|b|d"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
