@@ -214,6 +214,16 @@ WRONG_FORMS = [  # (path, body, param, message)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 123}]},
      "messages.0.content", "messages.0.content: must be a string or a list of text parts"),
     ("/v1/completions", {"prompt": "Hi", "stop": ""}, "stop", "non-empty strings"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", "parts of type image_url are not supported: only text parts"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function"}]}]},
+     "messages.1.tool_calls", "tool calls are not supported"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "refusal": "no"}]},
+     "messages.1.refusal", "refusal is not supported: send null"),
 ]
 
 
@@ -230,6 +240,34 @@ def test_a_body_that_is_not_utf8_is_named(server):
                           headers={"content-type": "application/json"}, timeout=30)
     assert response.status_code == 400
     assert "the body is not valid UTF-8 (byte 15)" in response.json()["error"]["message"]
+
+
+def test_an_earlier_reply_sent_back_with_its_empty_tool_fields_is_taken(server):
+    """SDKs send an assistant message back as they got it: its null or empty tool calls,
+    refusal, function call and audio are no-op values, not unknown fields."""
+    earlier = {"role": "assistant", "content": "Paris.", "tool_calls": [], "refusal": None,
+               "function_call": None, "audio": None}
+    for tool_calls in ([], None):
+        response = server.post("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 1, "messages": [
+                *QUESTION, {**earlier, "tool_calls": tool_calls},
+                {"role": "user", "content": "And Spain?"}]})
+        assert response.status_code == 200, response.text
+
+
+def test_values_nested_too_deeply_are_refused_by_name(server):
+    """Deeper than the template's renderer (a recursive copy) or the JSON parser goes: a 400
+    that says so, not an internal error."""
+    deep = json.loads("[" * 600 + "]" * 600)
+    error = server.error("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1,
+                                                  "chat_template_kwargs": {"deep": deep}})
+    assert "nested this deeply" in error["message"]
+    body = '{"prompt": ' + "[" * 5000 + "]" * 5000 + "}"
+    response = httpx.post(f"{server.base}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400
+    assert "nested too deeply" in response.json()["error"]["message"]
+    assert server.complete(prompt="Hi", max_tokens=1)["choices"]
 
 
 def test_an_empty_prompt_of_a_batch_is_named_by_its_index(server):

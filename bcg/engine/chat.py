@@ -115,12 +115,23 @@ def _content_text(index: int, content: Any) -> str:
 def _joined_parts(index: int, content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    require(isinstance(content, list) and all(isinstance(p, Mapping) for p in content),
-            f"message {index}: content must be a string or a list of text parts "
-            f"({TEXT_PART}), got {type(content).__name__}")
-    kinds = sorted({str(part.get("type")) for part in content} - {"text"})
-    require(not kinds, f"message {index}: content parts of type {', '.join(kinds)} are not "
-            f"supported: only text parts ({TEXT_PART})")
-    require(all(isinstance(part.get("text"), str) for part in content),
-            f"message {index}: a text part's 'text' must be a string ({TEXT_PART})")
+    problem = content_problem(content)
+    require(problem is None, f"message {index}: {problem}")
     return "\n".join(part["text"] for part in content)
+
+
+def content_problem(content: Any) -> str | None:
+    """What keeps a message's content (not None) from being text, or None: a string, or a
+    list of text parts."""
+    if isinstance(content, str):
+        return None
+    if not (isinstance(content, list) and all(isinstance(p, Mapping) for p in content)):
+        return (f"content must be a string or a list of text parts ({TEXT_PART}), got "
+                f"{type(content).__name__}")
+    kinds = sorted({str(part.get("type")) for part in content} - {"text"})
+    if kinds:
+        return (f"content parts of type {', '.join(kinds)} are not supported: only text "
+                f"parts ({TEXT_PART})")
+    if not all(isinstance(part.get("text"), str) for part in content):
+        return f"a text part's 'text' must be a string ({TEXT_PART})"
+    return None

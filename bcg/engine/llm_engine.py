@@ -257,6 +257,9 @@ class LLMEngine:
                                                       **options.template_arguments())
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
+        except RecursionError:  # the template's data is copied recursively
+            raise ValueError("the chat template cannot render values nested this deeply: "
+                             "send chat_template_kwargs of fewer levels") from None
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""

@@ -635,6 +635,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         if isinstance(cause, UnicodeDecodeError):  # FastAPI's message would say only "error"
             return _error_response(f"the body is not valid UTF-8 (byte {cause.start}): send "
                                    "JSON encoded as UTF-8", 400)
+        if isinstance(cause, RecursionError):  # the JSON parser's own limit
+            return _error_response("the body's JSON is nested too deeply to parse: send "
+                                   "fewer levels of lists and objects", 400)
         return _error_response(str(error.detail), error.status_code, headers=error.headers)
 
 

@@ -16,10 +16,17 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
-from bcg.engine.chat import ChatOptions
+from bcg.engine.chat import ChatOptions, content_problem
 from bcg.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from bcg.server.engine_loop import ChatPrompt
 from bcg.utils import LONE_SURROGATE
@@ -235,14 +242,38 @@ class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None  # OpenAI's: only an assistant's may be null
     name: str | None = None  # passed to the chat template, which may use it
+    # What clients send back with an earlier assistant reply: taken at their no-op values
+    # (no tool ran, nothing refused), never passed to the template.
+    tool_calls: list[Any] | None = None
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    NOT_RENDERED: ClassVar[set[str]] = {"tool_calls", "refusal", "function_call", "audio"}
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_or_parts(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str | list):
-            return value  # a list's parts are checked one by one
-        raise ValueError("must be a string or a list of text parts ({'type': 'text', "
-                         "'text': ...})")
+        problem = None if value is None else content_problem(value)
+        if problem is not None:  # one message, not one per member of the field's union
+            raise ValueError(problem.removeprefix("content "))
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if value and info.data.get("role") == "assistant":
+            raise ValueError("tool calls are not supported (this server runs no tools): send "
+                             "null or [] with an earlier assistant reply")
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return value
+
+    @field_validator("refusal", "function_call", "audio", mode="before")
+    @classmethod
+    def _null_only(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported: send null or leave it out")
+        return value
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -252,7 +283,7 @@ class ChatMessage(StrictModel):
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as `bcg.engine.chat` takes it (text parts joined there)."""
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, exclude=self.NOT_RENDERED)
 
 
 class ChatTemplateFields(StrictModel):
