@@ -26,6 +26,8 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 # A step's decode rows run on one axis of the decode-attention kernel's CUDA grid, which
 # holds at most this many.
 MAX_NUM_SEQS = 65535
+# Tokens per KV block: larger pages only waste memory (the last page of each sequence).
+MAX_BLOCK_SIZE = 1024
 # All-to-all expert parallel exchanges steps up to this many tokens (or max_num_seqs, if more)
 # in fixed-size blocks by default. Measured at ep2 only (a rank sends T x top_k rows in
 # blocks at any rank count, T x top_k / ranks counted): qwen3-30b-a3b on two H100s,
@@ -81,8 +83,8 @@ class EngineConfig:
         None, "longest sequence (prompt + output) in tokens; default: the model's context "
         "length, lowered (with a warning) to what the KV cache holds"
     )
-    block_size: int = _arg(16, "tokens per KV cache block; a power of two on CUDA (the "
-                           "attention kernels' tiles)")
+    block_size: int = _arg(16, "tokens per KV cache block, at most 1024; a power of two on "
+                           "CUDA (the attention kernels' tiles)")
     gpu_memory_utilization: float = _arg(
         0.9, "fraction of the GPU's memory the engine may use (weights, activations, KV "
         "cache), in (0, 1]; CUDA only: on the CPU --kv-cache-tokens sizes the KV cache"
@@ -203,6 +205,9 @@ class EngineConfig:
             value, hint = getattr(self, f.name), _FIELD_TYPES[f.name]
             require(_has_type(value, hint), f"{f.name} must be {_type_name(hint)}, got {value!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        require(self.model is None or self.model.strip() != "",
+                "model is empty: name a model (a folder, a GGUF file or a preset) or leave it "
+                "out for the built-in SmolLM2")
         if self.enforce_eager:
             self.prefill_graph = self.decode_graph = "none"
         require(is_int(self.seed) and -2**63 <= self.seed < 2**64,
@@ -252,10 +257,13 @@ class EngineConfig:
         self._check_block_size()
 
     def _check_block_size(self) -> None:
-        """> 0 anywhere; on CUDA a power of two, which the attention kernels' tiles need (they
-        would refuse it only at the first step, after the weights load)."""
+        """In [1, MAX_BLOCK_SIZE] anywhere; on CUDA a power of two, which the attention
+        kernels' tiles need (they would refuse it only at the first step, after the weights
+        load)."""
         size = self.block_size
-        require(size > 0, f"block_size must be > 0, got {size}")
+        require(0 < size <= MAX_BLOCK_SIZE,
+                f"block_size must be in [1, {MAX_BLOCK_SIZE}] tokens, got {size}: 16 (the "
+                "default) suits most models")
         require(self.torch_device.type != "cuda" or size & (size - 1) == 0,
                 f"block_size must be a power of two on CUDA (the attention kernels' tiles), "
                 f"got {size}: pick 16 (the default), 32 or 64")

@@ -253,3 +253,14 @@ def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
     monkeypatch.undo()
     assert not llm.engine.has_unfinished_requests()
     assert generate(llm, GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_sampling_params_are_checked_again_when_generate_takes_them(llm):
+    """A None among the params is named, and a field set to a bad value after the params
+    were built is refused by name, not met deep in the engine."""
+    with pytest.raises(TypeError, match="must hold SamplingParams, got a NoneType"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), None], use_tqdm=False)
+    params = SamplingParams(max_tokens=2)
+    params.n = 0
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate([1, 2, 3], params, use_tqdm=False)

@@ -241,3 +241,26 @@ def test_a_chat_template_error_is_a_value_error(llm, monkeypatch):
     monkeypatch.setattr(llm.engine.tokenizer, "apply_chat_template", reject)
     with pytest.raises(ValueError, match="rejected the messages: no system messages here"):
         llm.chat([{"role": "system", "content": "hi"}], GREEDY, use_tqdm=False)
+
+
+def test_chat_input_of_the_wrong_shape_is_named(llm, tmp_path):
+    """A message not in a list, a bad conversation among several (named by its index),
+    options that are not ChatOptions, a template that renders nothing; a chat_template that
+    names a file is read as the command line reads it, and text that is neither a file nor a
+    template is refused instead of becoming the prompt."""
+    message = {"role": "user", "content": QUESTION}
+    with pytest.raises(TypeError, match="wrap the one message in a list"):
+        llm.chat(message, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="conversation 1: message 0: a user message needs"):
+        llm.chat([[message], [{"role": "user"}]], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="options must be a ChatOptions"):
+        llm.apply_chat_template([message], {"add_generation_prompt": False})
+    with pytest.raises(ValueError, match="rendered these messages as an empty prompt"):
+        llm.chat([message], GREEDY, use_tqdm=False, chat_template="{# nothing #}")
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        llm.chat([message], GREEDY, use_tqdm=False, chat_template="chatml")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    [out] = llm.chat([message], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
+                     chat_template=str(template))
+    assert out.prompt == QUESTION

@@ -108,6 +108,8 @@ def test_hugging_face_config_layouts_both_parse():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(block_size=0), "block_size"),
+    (dict(block_size=100_000_000), r"block_size must be in \[1, 1024\] tokens"),
+    (dict(model=""), "model is empty: name a model"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(dtype="int8"), "dtype"),
     (dict(device="tpu"), "device"),

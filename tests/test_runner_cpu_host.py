@@ -57,6 +57,17 @@ def test_plenty_of_memory_holds_the_whole_context(tiny, monkeypatch, caplog):
     assert f"KV cache: 16 blocks of 16 tokens (256 tokens, {gib:.2f} GiB)" in caplog.text
 
 
+def test_a_kv_cache_asked_for_beyond_memory_is_refused_with_what_fits(tiny, monkeypatch):
+    """kv_cache_tokens within the available memory is allocated, past the default budgets;
+    beyond it, an error names what fits instead of the allocator's failure."""
+    available = 40 * BLOCK_BYTES
+    assert runner(tiny, monkeypatch, available, kv_cache_tokens=40 * BLOCK).num_kv_blocks == 40
+    with pytest.raises(ValueError, match=rf"kv_cache_tokens=1000000 needs .* GiB of KV cache, "
+                                         rf"more than .*lower kv_cache_tokens \(to {40 * BLOCK} "
+                                         rf"or less\)"):
+        runner(tiny, monkeypatch, available, kv_cache_tokens=1_000_000)
+
+
 def test_a_default_context_too_large_for_memory_is_lowered(tiny, monkeypatch, caplog):
     """25% of the available memory holds 6 blocks: max_model_len falls to 96 tokens."""
     with caplog.at_level(logging.WARNING):
@@ -155,7 +166,8 @@ def test_the_kv_budget_is_what_the_state_slots_leave(monkeypatch):
 
 
 def test_kv_cache_tokens_wins(tiny, monkeypatch):
-    r = runner(tiny, monkeypatch, available=0, kv_cache_tokens=1000)
+    """Over the default budget (25% of memory: 15 blocks here), while memory holds it."""
+    r = runner(tiny, monkeypatch, available=63 * BLOCK_BYTES, kv_cache_tokens=1000)
     assert r.num_kv_blocks == 63
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from bcg.config import EngineConfig
-from bcg.engine.chat import DEFAULT_CHAT, ChatOptions
+from bcg.engine.chat import DEFAULT_CHAT, ChatOptions, read_chat_template
 from bcg.engine.llm_engine import LLMEngine, check_one_per_prompt
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
@@ -93,20 +93,38 @@ class LLM:
         `continue_final_message` (with `add_generation_prompt=False`) continues the last
         message instead of starting a new one; `chat_template_kwargs` are more variables for
         the template (e.g. Qwen3's `enable_thinking`)."""
-        options = ChatOptions(chat_template=chat_template,
+        if isinstance(messages, Mapping):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts (or "
+                            "a list of such lists): wrap the one message in a list")
+        template = None if chat_template is None else read_chat_template(chat_template)
+        options = ChatOptions(chat_template=template,
                               add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message,
                               chat_template_kwargs=chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        texts = [self.engine.chat_text(c, options) for c in conversations]
+        texts = [self._chat_text(index, c, options, len(conversations))
+                 for index, c in enumerate(conversations)]
         outputs = self.generate([self.engine.encode_chat(text, options) for text in texts],
                                 sampling_params, use_tqdm)
         # as in vLLM, each output's prompt is the rendered conversation
         return [replace(output, prompt=text) for output, text in zip(outputs, texts, strict=True)]
 
+    def _chat_text(self, index: int, messages: list[Message], options: ChatOptions,
+                   count: int) -> str:
+        """Conversation `index` of `count` rendered; an error names it among several."""
+        try:
+            return self.engine.chat_text(messages, options)
+        except ValueError as error:
+            if count == 1:
+                raise
+            raise ValueError(f"conversation {index}: {error}") from None
+
     def apply_chat_template(self, messages: list[Message],
                             options: ChatOptions = DEFAULT_CHAT) -> list[int]:
         """The token ids of one conversation rendered with the chat template."""
+        if not isinstance(options, ChatOptions):
+            raise TypeError(f"options must be a ChatOptions(...) (bcg.engine.chat), got "
+                            f"{type(options).__name__}")
         return self.engine.chat_token_ids(messages, options)
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
@@ -152,14 +170,15 @@ def _as_params_list(
 ) -> list[SamplingParams]:
     """One `SamplingParams` (or None, the defaults) for every prompt."""
     if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
+        return [replace(params or SamplingParams())] * count
     if isinstance(params, Mapping | str) or not isinstance(params, Iterable):
         raise TypeError(f"sampling_params must be a SamplingParams, a list of them or None, "
                         f"got {type(params).__name__}: build one with SamplingParams(...)")
     params = list(params)
-    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
-    if bad is not None:
+    bad = [p for p in params if not isinstance(p, SamplingParams)]
+    if bad:
         raise TypeError(f"sampling_params must hold SamplingParams, got a "
-                        f"{type(bad).__name__}: build each with SamplingParams(...)")
+                        f"{type(bad[0]).__name__}: build each with SamplingParams(...)")
     check_one_per_prompt(range(count), params)
-    return params
+    # A copy checks again what was set on the params after they were built (params.n = 0).
+    return [replace(p) for p in params]

@@ -253,13 +253,16 @@ class LLMEngine:
                 "send plain text prompts")
         conversation = template_messages(messages)
         try:
-            return self.tokenizer.apply_chat_template(conversation,
+            text = self.tokenizer.apply_chat_template(conversation,
                                                       **options.template_arguments())
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
         except RecursionError:  # the template's data is copied recursively
             raise ValueError("the chat template cannot render values nested this deeply: "
                              "send chat_template_kwargs of fewer levels") from None
+        require(text != "", "the chat template rendered these messages as an empty prompt: "
+                "check the template")
+        return text
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""

@@ -45,6 +45,7 @@ from bcg.layers.mamba_backend import mamba_backend
 from bcg.layers.sampler import MAX_LOGPROBS, Sampler, token_logprobs
 from bcg.loader.model_loader import load_model
 from bcg.loader.model_source import ModelSource
+from bcg.runner import host
 from bcg.runner.batch import (
     ScheduledSequence,
     SyntheticSequence,
@@ -385,7 +386,10 @@ class ModelRunner:
         if self.device.type != "cuda" and tensor_parallel().rank == 0:  # one warning, not N
             warn_if_cores_contended(config.tensor_parallel_size)
         if config.kv_cache_tokens is not None:
-            return cdiv(config.kv_cache_tokens, self.block_size)
+            blocks = cdiv(config.kv_cache_tokens, self.block_size)
+            if self.device.type != "cuda":
+                self._check_cpu_kv_fits(config.kv_cache_tokens, blocks)
+            return blocks
         if self.device.type != "cuda":
             return self._cpu_kv_blocks(config, max_model_len)
         return max(0, self._free_kv_bytes(config, max_model_len) - reserved_bytes) \
@@ -398,6 +402,19 @@ class ModelRunner:
         budget, self._cpu_kv_budget = cpu_kv_cache_budget(
             asked=config.max_model_len is not None, taken=state_bytes)
         return min(cdiv(max_model_len, self.block_size), budget // self._kv_block_bytes())
+
+    def _check_cpu_kv_fits(self, tokens: int, blocks: int) -> None:
+        """A CPU cache of `tokens` the user set goes past the budgets above, but not past the
+        memory available: there the allocator fails with a bare traceback, or the kernel ends
+        the process as the zeros are written."""
+        available = host.available_memory_bytes()
+        needed = blocks * self._kv_block_bytes()
+        if available is not None and needed > available:
+            raise ValueError(
+                f"kv_cache_tokens={tokens} needs {needed / 2**30:.2f} GiB of KV cache, more "
+                f"than the {available / 2**30:.2f} GiB of memory available: lower "
+                f"kv_cache_tokens (to {available // self._kv_block_bytes() * self.block_size} "
+                f"or less)")
 
     def _kv_block_bytes(self) -> int:
         c = self.model_config
