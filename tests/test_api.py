@@ -264,3 +264,12 @@ def test_sampling_params_are_checked_again_when_generate_takes_them(llm):
     params.n = 0
     with pytest.raises(ValueError, match="n must be"):
         llm.generate([1, 2, 3], params, use_tqdm=False)
+
+
+def test_ids_outside_the_vocabulary_name_a_tokenizer_larger_than_the_model(llm, monkeypatch):
+    """Text from another model's tokenizer encodes to ids the model lacks: the error says
+    which is larger, not only which ids are out."""
+    monkeypatch.setattr(llm.engine, "tokenizer", [None] * (VOCAB + 100))
+    with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {VOCAB}\); the tokenizer "
+                                         rf"has {VOCAB + 100} tokens, more than the model's"):
+        llm.generate([[1, VOCAB + 5]], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -450,7 +450,8 @@ class LLMEngine:
         require(len(token_ids) > 0, "the prompt is empty")
         vocab_size = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        require(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        require(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+                + self._tokenizer_mismatch(vocab_size))
         bad_bias = [t for t in params.logit_bias or {} if t >= vocab_size]
         require_field("logit_bias", not bad_bias, f"logit_bias names token ids {bad_bias[:5]} "
                       f"outside the vocabulary [0, {vocab_size})")
@@ -458,6 +459,13 @@ class LLMEngine:
                 f"the prompt's {_tokens(len(token_ids))} plus max_tokens={params.max_tokens} "
                 f"exceed max_model_len={self.max_model_len}: lower max_tokens or shorten the "
                 "prompt")
+
+    def _tokenizer_mismatch(self, vocab_size: int) -> str:
+        """Why text may encode to ids the model lacks: a tokenizer larger than its vocabulary."""
+        if self.tokenizer is None or len(self.tokenizer) <= vocab_size:
+            return ""
+        return (f"; the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
+                f"{vocab_size}: pass the model's own tokenizer (tokenizer=..., --tokenizer)")
 
     def _up_to_max_model_len(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """`params` with max_tokens=None made the room max_model_len leaves after the prompt."""
