@@ -61,6 +61,9 @@ def test_serve_has_every_engine_flag(capsys):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    response = httpx.get(f"{server}/v1/models/other/model", timeout=10)
+    assert response.status_code == 404 and "'other/model' does not exist" in response.text
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
 
 

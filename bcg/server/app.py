@@ -96,6 +96,7 @@ def create_app(engine: LLMEngine, model_name: str,
     app.add_api_route("/health", server.health, methods=["GET", "HEAD"])
     app.get("/version")(server.version)
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model:path}")(server.model)  # a served name may hold slashes
     app.get("/metrics")(server.metrics)
     app.get("/tokenizer_info")(server.tokenizer_info)
     app.post("/tokenize")(server.tokenize)
@@ -125,10 +126,17 @@ class _Server:
         return {"version": __version__}
 
     async def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "bcg",
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str) -> dict:
+        """OpenAI's retrieve: the served model's card, 404 for another name."""
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "bcg",
                 "root": self.model_root, "parent": None, "permission": [],
                 "max_model_len": self.max_model_len}
-        return {"object": "list", "data": [card]}
 
     async def metrics(self) -> PlainTextResponse:
         text = render_metrics(self.engine_loop.snapshot, self.model_name)
