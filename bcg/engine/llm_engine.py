@@ -450,8 +450,9 @@ class LLMEngine:
         require(len(token_ids) > 0, "the prompt is empty")
         vocab_size = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        require(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
-                + self._tokenizer_mismatch(vocab_size))
+        if bad:  # the hint only then: len() of a tokenizer is not free
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+                             + self._tokenizer_mismatch(vocab_size))
         bad_bias = [t for t in params.logit_bias or {} if t >= vocab_size]
         require_field("logit_bias", not bad_bias, f"logit_bias names token ids {bad_bias[:5]} "
                       f"outside the vocabulary [0, {vocab_size})")
