@@ -41,7 +41,7 @@ def test_chat_takes_openai_text_parts_and_refuses_other_content(llm):
     assert "Paris" in answer.outputs[0].text
     refused = [(5, "message 0: content must be a string or a list of text parts"),
                ([{"type": "image_url", "image_url": {}}], "parts of type image_url are not"),
-               ([{"type": "text", "text": 3}], "'text' must be a string"),
+               ([{"type": "text", "text": 3}], "content parts must each have a string 'text'"),
                (None, "a user message needs content")]
     for content, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -249,8 +249,11 @@ def test_chat_input_of_the_wrong_shape_is_named(llm, tmp_path):
     names a file is read as the command line reads it, and text that is neither a file nor a
     template is refused instead of becoming the prompt."""
     message = {"role": "user", "content": QUESTION}
-    with pytest.raises(TypeError, match="wrap the one message in a list"):
-        llm.chat(message, GREEDY, use_tqdm=False)
+    for bare in (message, QUESTION):
+        with pytest.raises(TypeError, match="wrap one message in a list"):
+            llm.chat(bare, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template must be a Jinja template"):
+        llm.chat([message], GREEDY, use_tqdm=False, chat_template=5)
     with pytest.raises(ValueError, match="conversation 1: message 0: a user message needs"):
         llm.chat([[message], [{"role": "user"}]], GREEDY, use_tqdm=False)
     with pytest.raises(TypeError, match="options must be a ChatOptions"):
@@ -262,5 +265,5 @@ def test_chat_input_of_the_wrong_shape_is_named(llm, tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0].content }}")
     [out] = llm.chat([message], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
-                     chat_template=str(template))
+                     chat_template=template)
     assert out.prompt == QUESTION

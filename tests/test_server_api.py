@@ -220,10 +220,13 @@ WRONG_FORMS = [  # (path, body, param, message)
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function"}]}]},
-     "messages.1.tool_calls", "tool calls are not supported"),
+     "messages.1.tool_calls", "tool_calls are not supported"),
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "refusal": "no"}]},
      "messages.1.refusal", "refusal is not supported: send null"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]},
+     "messages.0.content", "parts take only 'type' and 'text' here, got ['cache_control']"),
 ]
 
 
@@ -246,7 +249,7 @@ def test_an_earlier_reply_sent_back_with_its_empty_tool_fields_is_taken(server):
     """SDKs send an assistant message back as they got it: its null or empty tool calls,
     refusal, function call and audio are no-op values, not unknown fields."""
     earlier = {"role": "assistant", "content": "Paris.", "tool_calls": [], "refusal": None,
-               "function_call": None, "audio": None}
+               "function_call": None, "audio": None, "annotations": []}
     for tool_calls in ([], None):
         response = server.post("/v1/chat/completions", {
             "model": MODEL, "max_tokens": 1, "messages": [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +96,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 
 
 def _template_message(index: int, message: Any) -> dict[str, Any]:
-    require(isinstance(message, Mapping) and isinstance(message.get("role"), str),
-            f"message {index}: a message is a dict with a 'role' string and 'content', got "
-            f"{message!r:.100}")
+    if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)):
+        raise ValueError(f"message {index}: a message is a dict with a 'role' string and "
+                         f"'content', got {_shown(message)}")
     content = message.get("content")
     require(content is not None or message["role"] == "assistant",
             f"message {index}: a {message['role']} message needs content (a string or text "
@@ -116,22 +117,27 @@ def _joined_parts(index: int, content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     problem = content_problem(content)
-    require(problem is None, f"message {index}: {problem}")
+    require(problem is None, f"message {index}: content {problem}")
     return "\n".join(part["text"] for part in content)
 
 
 def content_problem(content: Any) -> str | None:
-    """What keeps a message's content (not None) from being text, or None: a string, or a
-    list of text parts."""
+    """What keeps a message's content (not None) from being text, said of the content
+    ("content " + it reads as a sentence), or None: a string, or a list of text parts."""
     if isinstance(content, str):
         return None
     if not (isinstance(content, list) and all(isinstance(p, Mapping) for p in content)):
-        return (f"content must be a string or a list of text parts ({TEXT_PART}), got "
+        return (f"must be a string or a list of text parts ({TEXT_PART}), got "
                 f"{type(content).__name__}")
     kinds = sorted({str(part.get("type")) for part in content} - {"text"})
     if kinds:
-        return (f"content parts of type {', '.join(kinds)} are not supported: only text "
-                f"parts ({TEXT_PART})")
+        return (f"parts of type {', '.join(kinds)} are not supported: only text parts "
+                f"({TEXT_PART})")
     if not all(isinstance(part.get("text"), str) for part in content):
-        return f"a text part's 'text' must be a string ({TEXT_PART})"
+        return f"parts must each have a string 'text' ({TEXT_PART})"
     return None
+
+
+def _shown(value: Any) -> str:
+    """The start of `value`'s repr, for an error (a long content is not copied whole)."""
+    return reprlib.repr(value)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -93,31 +95,27 @@ class LLM:
         `continue_final_message` (with `add_generation_prompt=False`) continues the last
         message instead of starting a new one; `chat_template_kwargs` are more variables for
         the template (e.g. Qwen3's `enable_thinking`)."""
-        if isinstance(messages, Mapping):
-            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts (or "
-                            "a list of such lists): wrap the one message in a list")
-        template = None if chat_template is None else read_chat_template(chat_template)
+        if isinstance(messages, Mapping | str):
+            raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts "
+                            f"(or a list of such lists), got a {type(messages).__name__}: wrap "
+                            f"one message in a list")
+        # A file's path is read as --chat-template reads it; ChatOptions names other types.
+        template = (read_chat_template(os.fspath(chat_template))
+                    if isinstance(chat_template, str | os.PathLike) else chat_template)
         options = ChatOptions(chat_template=template,
                               add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message,
                               chat_template_kwargs=chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        texts = [self._chat_text(index, c, options, len(conversations))
-                 for index, c in enumerate(conversations)]
-        outputs = self.generate([self.engine.encode_chat(text, options) for text in texts],
-                                sampling_params, use_tqdm)
+        several = len(conversations) > 1
+        texts, prompts = [], []
+        for index, conversation in enumerate(conversations):
+            with _named_conversation(index, several):
+                texts.append(self.engine.chat_text(conversation, options))
+                prompts.append(self.engine.chat_prompt_ids(texts[-1], options))
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
         # as in vLLM, each output's prompt is the rendered conversation
         return [replace(output, prompt=text) for output, text in zip(outputs, texts, strict=True)]
-
-    def _chat_text(self, index: int, messages: list[Message], options: ChatOptions,
-                   count: int) -> str:
-        """Conversation `index` of `count` rendered; an error names it among several."""
-        try:
-            return self.engine.chat_text(messages, options)
-        except ValueError as error:
-            if count == 1:
-                raise
-            raise ValueError(f"conversation {index}: {error}") from None
 
     def apply_chat_template(self, messages: list[Message],
                             options: ChatOptions = DEFAULT_CHAT) -> list[int]:
@@ -140,6 +138,17 @@ class LLM:
                                     f"decode {stats.decode_throughput:.0f} tok/s", refresh=False)
         logger.info("forwards so far: %s", dict(self.engine.runner.forward_counts))
         return finished
+
+
+@contextmanager
+def _named_conversation(index: int, several: bool) -> Iterator[None]:
+    """A bad conversation's error, named by its index among several."""
+    try:
+        yield
+    except ValueError as error:
+        if not several:
+            raise
+        raise ValueError(f"conversation {index}: {error}") from None
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -259,10 +259,16 @@ class LLMEngine:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
         except RecursionError:  # the template's data is copied recursively
             raise ValueError("the chat template cannot render values nested this deeply: "
-                             "send chat_template_kwargs of fewer levels") from None
-        require(text != "", "the chat template rendered these messages as an empty prompt: "
-                "check the template")
+                             "send messages and chat_template_kwargs of fewer levels") from None
         return text
+
+    def chat_prompt_ids(self, text: str, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """`encode_chat`, for a prompt to generate from: a template that rendered nothing is
+        named (the empty prompt's own error would blame the caller's prompt)."""
+        ids = self.encode_chat(text, options)
+        require(ids != [], "the chat template rendered these messages as an empty prompt: "
+                "check the template")
+        return ids
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""
@@ -463,10 +469,12 @@ class LLMEngine:
 
     def _tokenizer_mismatch(self, vocab_size: int) -> str:
         """Why text may encode to ids the model lacks: a tokenizer larger than its vocabulary."""
-        if self.tokenizer is None or len(self.tokenizer) <= vocab_size:
+        size = 0 if self.tokenizer is None else len(self.tokenizer)
+        if size <= vocab_size:
             return ""
-        return (f"; the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
-                f"{vocab_size}: pass the model's own tokenizer (tokenizer=..., --tokenizer)")
+        return (f"; the tokenizer has {size} tokens, more than the model's {vocab_size}: if the "
+                f"ids came from text, pass the model's own tokenizer (tokenizer=..., "
+                f"--tokenizer)")
 
     def _up_to_max_model_len(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """`params` with max_tokens=None made the room max_model_len leaves after the prompt."""

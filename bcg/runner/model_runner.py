@@ -57,7 +57,11 @@ from bcg.runner.batch import (
 )
 from bcg.runner.decode_graph import DecodeGraphRunner
 from bcg.runner.graph_runner import GraphRunner, StackSpec, frozen_gc
-from bcg.runner.host import cpu_kv_cache_budget, warn_if_cores_contended
+from bcg.runner.host import (
+    CPU_KV_CACHE_FRACTION_ASKED,
+    cpu_kv_cache_budget,
+    warn_if_cores_contended,
+)
 from bcg.runner.prefill_graph import PrefillGraphRunner
 from bcg.runner.sampling import (
     PositionLogprobs,
@@ -379,6 +383,10 @@ class ModelRunner:
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, reserved_bytes: int) -> int:
         """What this rank's memory holds, or the least any rank's holds: all use one count."""
         local = self._local_num_kv_blocks(config, max_model_len, reserved_bytes)
+        if config.kv_cache_tokens is not None and self.device.type != "cuda":
+            # Every rank takes the least room: all of them raise, none waits for a peer.
+            self._check_cpu_kv_fits(config.kv_cache_tokens, local,
+                                    tensor_parallel().min_over_ranks(self._cpu_room_blocks()))
         return tensor_parallel().min_over_ranks(local)
 
     def _local_num_kv_blocks(self, config: EngineConfig, max_model_len: int,
@@ -386,10 +394,7 @@ class ModelRunner:
         if self.device.type != "cuda" and tensor_parallel().rank == 0:  # one warning, not N
             warn_if_cores_contended(config.tensor_parallel_size)
         if config.kv_cache_tokens is not None:
-            blocks = cdiv(config.kv_cache_tokens, self.block_size)
-            if self.device.type != "cuda":
-                self._check_cpu_kv_fits(config.kv_cache_tokens, blocks)
-            return blocks
+            return cdiv(config.kv_cache_tokens, self.block_size)
         if self.device.type != "cuda":
             return self._cpu_kv_blocks(config, max_model_len)
         return max(0, self._free_kv_bytes(config, max_model_len) - reserved_bytes) \
@@ -403,18 +408,27 @@ class ModelRunner:
             asked=config.max_model_len is not None, taken=state_bytes)
         return min(cdiv(max_model_len, self.block_size), budget // self._kv_block_bytes())
 
-    def _check_cpu_kv_fits(self, tokens: int, blocks: int) -> None:
-        """A CPU cache of `tokens` the user set goes past the budgets above, but not past the
-        memory available: there the allocator fails with a bare traceback, or the kernel ends
-        the process as the zeros are written."""
+    def _cpu_room_blocks(self) -> int:
+        """KV blocks of this rank's share of 90% of the available memory (the ranks of a CPU
+        group share one host), as a max_model_len the user set may take; unknown: no limit."""
         available = host.available_memory_bytes()
-        needed = blocks * self._kv_block_bytes()
-        if available is not None and needed > available:
+        if available is None:
+            return 2**62
+        share = int(available * CPU_KV_CACHE_FRACTION_ASKED) // tensor_parallel().size
+        return share // self._kv_block_bytes()
+
+    def _check_cpu_kv_fits(self, tokens: int, blocks: int, room: int) -> None:
+        """A CPU cache of `tokens` the user set goes past the default budgets, but not past
+        the `room` memory has: there the allocator fails with a bare traceback, or the kernel
+        ends the process as the zeros are written."""
+        if blocks > room:
+            block_bytes = self._kv_block_bytes()
             raise ValueError(
-                f"kv_cache_tokens={tokens} needs {needed / 2**30:.2f} GiB of KV cache, more "
-                f"than the {available / 2**30:.2f} GiB of memory available: lower "
-                f"kv_cache_tokens (to {available // self._kv_block_bytes() * self.block_size} "
-                f"or less)")
+                f"kv_cache_tokens={tokens} needs {blocks * block_bytes / 2**30:.2f} GiB of KV "
+                f"cache a rank, more than the {room * block_bytes / 2**30:.2f} GiB its share "
+                f"of {CPU_KV_CACHE_FRACTION_ASKED:.0%} of the available memory holds: lower "
+                f"kv_cache_tokens (to "
+                f"{room * self.block_size} or less)")
 
     def _kv_block_bytes(self) -> int:
         c = self.model_config

@@ -143,7 +143,8 @@ class EngineLoop:
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):
-            return self.engine.chat_token_ids(prompt.messages, prompt.options)
+            text = self.engine.chat_text(prompt.messages, prompt.options)
+            return self.engine.chat_prompt_ids(text, prompt.options)
         return self.engine.tokenize(prompt)
 
     def _abort(

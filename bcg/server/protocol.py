@@ -243,29 +243,34 @@ class ChatMessage(StrictModel):
     content: str | list[TextPart] | None = None  # OpenAI's: only an assistant's may be null
     name: str | None = None  # passed to the chat template, which may use it
     # What clients send back with an earlier assistant reply: taken at their no-op values
-    # (no tool ran, nothing refused), never passed to the template.
+    # (no tool ran, nothing refused, no citations), never passed to the template.
     tool_calls: list[Any] | None = None
+    annotations: list[Any] | None = None
     refusal: None = None
     function_call: None = None
     audio: None = None
-    NOT_RENDERED: ClassVar[set[str]] = {"tool_calls", "refusal", "function_call", "audio"}
+    NOT_RENDERED: ClassVar[frozenset[str]] = frozenset(
+        {"tool_calls", "annotations", "refusal", "function_call", "audio"})
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_or_parts(cls, value: Any) -> Any:
         problem = None if value is None else content_problem(value)
-        if problem is not None:  # one message, not one per member of the field's union
-            raise ValueError(problem.removeprefix("content "))
+        if problem is None and isinstance(value, list):
+            extra = sorted({key for part in value for key in part} - {"type", "text"})
+            problem = extra and f"parts take only 'type' and 'text' here, got {extra}"
+        if problem:  # one message, not one per member of the field's union
+            raise ValueError(problem)
         return value
 
-    @field_validator("tool_calls")
+    @field_validator("tool_calls", "annotations")
     @classmethod
-    def _no_tool_calls(cls, value: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+    def _none_listed(cls, value: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
         if value and info.data.get("role") == "assistant":
-            raise ValueError("tool calls are not supported (this server runs no tools): send "
-                             "null or [] with an earlier assistant reply")
+            raise ValueError(f"{info.field_name} are not supported (this server runs no tools "
+                             f"and cites nothing): send null or [] with an earlier reply")
         if value is not None and info.data.get("role") != "assistant":
-            raise ValueError("only an assistant message carries tool_calls")
+            raise ValueError(f"only an assistant message carries {info.field_name}")
         return value
 
     @field_validator("refusal", "function_call", "audio", mode="before")
