@@ -40,6 +40,7 @@ def test_chat_takes_openai_text_parts_and_refuses_other_content(llm):
     [answer] = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
     assert "Paris" in answer.outputs[0].text
     refused = [(5, "message 0: content must be a string or a list of text parts"),
+               (["hi"], "text parts .*, got a list holding str"),
                ([{"type": "image_url", "image_url": {}}], "parts of type image_url are not"),
                ([{"type": "text", "text": 3}], "content parts must each have a string 'text'"),
                (None, "a user message needs content")]

@@ -126,9 +126,13 @@ def content_problem(content: Any) -> str | None:
     ("content " + it reads as a sentence), or None: a string, or a list of text parts."""
     if isinstance(content, str):
         return None
-    if not (isinstance(content, list) and all(isinstance(p, Mapping) for p in content)):
+    if not isinstance(content, list):
         return (f"must be a string or a list of text parts ({TEXT_PART}), got "
                 f"{type(content).__name__}")
+    others = sorted({type(part).__name__ for part in content if not isinstance(part, Mapping)})
+    if others:
+        return (f"must be a string or a list of text parts ({TEXT_PART}), got a list holding "
+                f"{', '.join(others)}")
     kinds = sorted({str(part.get("type")) for part in content} - {"text"})
     if kinds:
         return (f"parts of type {', '.join(kinds)} are not supported: only text parts "
