@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import re
 import socket
 
@@ -28,6 +29,11 @@ def leading_single_tokens(num_new_tokens: list[int]) -> int:
 def is_int(value) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_token_id(value) -> bool:
+    """An integer of any kind (numpy's too, as tokenized datasets hold them), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value) -> bool:

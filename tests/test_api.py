@@ -273,3 +273,16 @@ def test_ids_outside_the_vocabulary_name_a_tokenizer_larger_than_the_model(llm, 
     with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {VOCAB}\); the tokenizer "
                                          rf"has {VOCAB + 100} tokens, more than the model's"):
         llm.generate([[1, VOCAB + 5]], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_numpy_token_ids_are_token_ids(llm):
+    """A tokenized dataset's ids (numpy integers) prompt as Python ints do."""
+    import numpy
+
+    params = SamplingParams(temperature=0, max_tokens=3)
+    [expected] = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    for prompt in (numpy.array([1, 2, 3]).tolist(), list(numpy.array([1, 2, 3]))):
+        [got] = llm.generate(prompt, params, use_tqdm=False)
+        assert got.prompt_token_ids == [1, 2, 3]
+        assert all(type(t) is int for t in got.prompt_token_ids)
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids

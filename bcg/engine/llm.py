@@ -16,6 +16,7 @@ from bcg.engine.chat import DEFAULT_CHAT, ChatOptions, read_chat_template
 from bcg.engine.llm_engine import LLMEngine, check_one_per_prompt
 from bcg.engine.outputs import RequestOutput
 from bcg.engine.sampling_params import SamplingParams
+from bcg.utils import is_token_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -153,7 +154,7 @@ def _named_conversation(index: int, several: bool) -> Iterator[None]:
 
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str | dict) or (
-        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        isinstance(prompts, list) and prompts and is_token_id(prompts[0])
     ):
         prompts = [prompts]
     if not isinstance(prompts, Sequence):

@@ -35,7 +35,7 @@ from bcg.models.presets import PRESETS
 from bcg.runner.model_runner import StepResult
 from bcg.runner.startup import resolve_max_model_len, start_runner
 from bcg.timing import startup_step, take_startup_steps
-from bcg.utils import invalid_unicode, is_int
+from bcg.utils import invalid_unicode, is_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -366,9 +366,9 @@ class LLMEngine:
             invalid = invalid_unicode(prompt)
             require(invalid is None, f"the prompt {invalid}: pass UTF-8 text")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        require(isinstance(prompt, list | tuple) and all(is_int(t) for t in prompt),
+        require(isinstance(prompt, list | tuple) and all(is_token_id(t) for t in prompt),
                 "a prompt must be a string or a list of token ids (int)")
-        return list(prompt)
+        return [int(t) for t in prompt]
 
     def _accept(self, seq: Sequence, token_id: int, logprobs) -> None:
         """The host has `seq`'s new token (in place): logprobs, detokenising, stop checks."""
