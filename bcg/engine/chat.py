@@ -98,7 +98,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 def _template_message(index: int, message: Any) -> dict[str, Any]:
     if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)):
         raise ValueError(f"message {index}: a message is a dict with a 'role' string and "
-                         f"'content', got {_shown(message)}")
+                         f"'content', got {reprlib.repr(message)}")
     content = message.get("content")
     require(content is not None or message["role"] == "assistant",
             f"message {index}: a {message['role']} message needs content (a string or text "
@@ -127,12 +127,10 @@ def content_problem(content: Any) -> str | None:
     if isinstance(content, str):
         return None
     if not isinstance(content, list):
-        return (f"must be a string or a list of text parts ({TEXT_PART}), got "
-                f"{type(content).__name__}")
+        return _not_text(type(content).__name__)
     others = sorted({type(part).__name__ for part in content if not isinstance(part, Mapping)})
     if others:
-        return (f"must be a string or a list of text parts ({TEXT_PART}), got a list holding "
-                f"{', '.join(others)}")
+        return _not_text(f"a list holding {', '.join(others)}")
     kinds = sorted({str(part.get("type")) for part in content} - {"text"})
     if kinds:
         return (f"parts of type {', '.join(kinds)} are not supported: only text parts "
@@ -142,6 +140,5 @@ def content_problem(content: Any) -> str | None:
     return None
 
 
-def _shown(value: Any) -> str:
-    """The start of `value`'s repr, for an error (a long content is not copied whole)."""
-    return reprlib.repr(value)
+def _not_text(got: str) -> str:
+    return f"must be a string or a list of text parts ({TEXT_PART}), got {got}"

@@ -109,12 +109,12 @@ class LLM:
                               chat_template_kwargs=chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         several = len(conversations) > 1
-        texts, prompts = [], []
+        rendered = []
         for index, conversation in enumerate(conversations):
             with _named_conversation(index, several):
-                texts.append(self.engine.chat_text(conversation, options))
-                prompts.append(self.engine.chat_prompt_ids(texts[-1], options))
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+                rendered.append(self.engine.chat_prompt(conversation, options))
+        texts = [text for text, _ in rendered]
+        outputs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
         # as in vLLM, each output's prompt is the rendered conversation
         return [replace(output, prompt=text) for output, text in zip(outputs, texts, strict=True)]
 

@@ -262,13 +262,15 @@ class LLMEngine:
                              "send messages and chat_template_kwargs of fewer levels") from None
         return text
 
-    def chat_prompt_ids(self, text: str, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
-        """`encode_chat`, for a prompt to generate from: a template that rendered nothing is
-        named (the empty prompt's own error would blame the caller's prompt)."""
+    def chat_prompt(self, messages: list[Mapping[str, Any]],
+                    options: ChatOptions = DEFAULT_CHAT) -> tuple[str, list[int]]:
+        """`chat_text` and its ids, for a prompt to generate from: a template that rendered
+        nothing is named (the empty prompt's own error would blame the caller's prompt)."""
+        text = self.chat_text(messages, options)
         ids = self.encode_chat(text, options)
         require(ids != [], "the chat template rendered these messages as an empty prompt: "
                 "check the template")
-        return ids
+        return text, ids
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running) and free its blocks; unknown ids are ignored."""

@@ -403,19 +403,21 @@ class ModelRunner:
     def _cpu_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         """max_model_len tokens, within min(4 GiB, 25% of the available memory); a
         max_model_len the user set gets its tokens while they fit in 90% of it."""
-        state_bytes = 0 if self.state_cache is None else self.state_cache.nbytes
         budget, self._cpu_kv_budget = cpu_kv_cache_budget(
-            asked=config.max_model_len is not None, taken=state_bytes)
+            asked=config.max_model_len is not None, taken=self._state_bytes())
         return min(cdiv(max_model_len, self.block_size), budget // self._kv_block_bytes())
 
     def _cpu_room_blocks(self) -> int:
-        """KV blocks of this rank's share of 90% of the available memory (the ranks of a CPU
-        group share one host), as a max_model_len the user set may take; unknown: no limit."""
-        available = host.available_memory_bytes()
-        if available is None:
+        """KV blocks of this rank's share (the ranks of a CPU group share one host) of what a
+        max_model_len the user set may take; no limit where the memory is unknown."""
+        if host.available_memory_bytes() is None:
             return 2**62
-        share = int(available * CPU_KV_CACHE_FRACTION_ASKED) // tensor_parallel().size
-        return share // self._kv_block_bytes()
+        budget, _ = cpu_kv_cache_budget(asked=True, taken=self._state_bytes())
+        return budget // tensor_parallel().size // self._kv_block_bytes()
+
+    def _state_bytes(self) -> int:
+        """A hybrid's state slots, allocated before the KV cache and sharing its budget."""
+        return 0 if self.state_cache is None else self.state_cache.nbytes
 
     def _check_cpu_kv_fits(self, tokens: int, blocks: int, room: int) -> None:
         """A CPU cache of `tokens` the user set goes past the default budgets, but not past
@@ -427,8 +429,7 @@ class ModelRunner:
                 f"kv_cache_tokens={tokens} needs {blocks * block_bytes / 2**30:.2f} GiB of KV "
                 f"cache a rank, more than the {room * block_bytes / 2**30:.2f} GiB its share "
                 f"of {CPU_KV_CACHE_FRACTION_ASKED:.0%} of the available memory holds: lower "
-                f"kv_cache_tokens (to "
-                f"{room * self.block_size} or less)")
+                f"kv_cache_tokens (to {room * self.block_size} or less)")
 
     def _kv_block_bytes(self) -> int:
         c = self.model_config

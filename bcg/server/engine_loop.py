@@ -143,8 +143,7 @@ class EngineLoop:
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):
-            text = self.engine.chat_text(prompt.messages, prompt.options)
-            return self.engine.chat_prompt_ids(text, prompt.options)
+            return self.engine.chat_prompt(prompt.messages, prompt.options)[1]
         return self.engine.tokenize(prompt)
 
     def _abort(
