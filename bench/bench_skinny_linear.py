@@ -47,6 +47,7 @@ from bcg.kernels.skinny_linear import (  # noqa: E402
 )
 from bcg.layers.activation import activate  # noqa: E402
 from bcg.models.presets import PRESETS  # noqa: E402
+from bcg.utils import cdiv  # noqa: E402
 
 # (preset, tensor-parallel size, its projections timed: MoE experts are another kernel's,
 # and nemotron-h-8b's attention has qwen3-8b's shapes)
@@ -75,7 +76,7 @@ def projections(preset: str, tp: int, parts: str) -> dict[str, tuple[int, int, s
             shapes["gate_up"] = (2 * intermediate, hidden, "silu_and_mul")
         shapes["down"] = (hidden, intermediate, None)
     if "head" in parts:
-        shapes["lm_head"] = (-(-c["vocab_size"] // tp), hidden, None)
+        shapes["lm_head"] = (cdiv(c["vocab_size"], tp), hidden, None)
     return shapes
 
 
