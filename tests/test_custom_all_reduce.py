@@ -74,6 +74,28 @@ def test_it_takes_decode_sized_rows_of_its_dtype():
     assert not kernel.takes_add_rms_norm(residual.clone(), residual.float())
 
 
+def test_it_takes_a_row_parallel_projection_whose_output_it_takes():
+    """`takes_projection_add_rms_norm`: the skinny kernel's rows, one dtype for x, the
+    weight and the residual, the residual the projection's output shape and within the
+    buffers; else the layer falls back to its projection, then the norm's path."""
+    from bcg.distributed.custom_all_reduce import PROJECTION_MAX_ROWS
+
+    kernel, width = cpu_kernel(), row_numel(torch.bfloat16)
+
+    def takes(rows: int, n: int = 4096, k: int = 1024, residual_dtype=torch.bfloat16,
+              residual_n: int | None = None) -> bool:
+        x = torch.zeros(rows, k, dtype=torch.bfloat16)
+        weight = torch.zeros(n, k, dtype=torch.bfloat16)
+        residual = torch.zeros(rows, residual_n or n, dtype=residual_dtype)
+        return kernel.takes_projection_add_rms_norm(x, weight, residual)
+
+    assert takes(1) and takes(PROJECTION_MAX_ROWS)
+    assert not takes(PROJECTION_MAX_ROWS + 1)
+    assert not takes(2, residual_n=2048)
+    assert not takes(2, residual_dtype=torch.float16)
+    assert not takes(2, n=width + 8)
+
+
 def test_traced_tensors_are_not_taken():
     kernel = cpu_kernel()
     takes = torch.compile(kernel.takes, backend="eager", fullgraph=True)
@@ -86,7 +108,8 @@ def test_a_released_kernel_says_its_engine_is_closed(make, monkeypatch):
         monkeypatch.setattr(torch.cuda, waits_for_the_gpu, lambda device=None: None)
     kernel = make()
     kernel.release()
-    for takes in (kernel.takes, lambda x: kernel.takes_add_rms_norm(x, x)):
+    for takes in (kernel.takes, lambda x: kernel.takes_add_rms_norm(x, x),
+                  lambda x: kernel.takes_projection_add_rms_norm(x, x, x)):
         with pytest.raises(RuntimeError, match="engine is closed"):
             takes(torch.zeros(2, 8, dtype=torch.bfloat16))
 
@@ -167,8 +190,9 @@ def check_rows(kernel: PeerAllReduce, shape: tuple[int, ...], dtype: torch.dtype
 def check_projected(kernel: PeerAllReduce, rows: int, dtype: torch.dtype,
                     device: torch.device, rank: int) -> None:
     """The projection's parts sent from the skinny kernel's epilogue, then reduced, added
-    and normalised: eagerly, then twice in a CUDA graph replayed on fresh inputs; against
-    the skinny kernel's own output summed by NCCL, then `add_rms_norm`."""
+    and normalised: eagerly, then twice in a CUDA graph with a plain all-reduce of the same
+    rows between them, replayed on fresh inputs; against the skinny kernel's own output
+    summed by NCCL, then `add_rms_norm`."""
     from bcg.kernels.skinny_linear import skinny_linear  # needs Triton: GPU runs only
 
     def inputs(seed: int) -> tuple[torch.Tensor, ...]:
@@ -186,14 +210,20 @@ def check_projected(kernel: PeerAllReduce, rows: int, dtype: torch.dtype,
     torch.testing.assert_close(out, expected, msg=f"{rows} rows, {dtype}")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    plain = torch.empty(rows, 4096, dtype=dtype, device=device)
     with torch.cuda.graph(graph):
         out, _ = kernel.projection_add_rms_norm(x, weight, residual, norm_weight, EPS)
+        summed = kernel(plain)  # the kernel's own send of the same rows between them
         out, _ = kernel.projection_add_rms_norm(x * 0.5, weight, residual, norm_weight, EPS)
     for trial in range(3):
         fresh_x, fresh_residual, _ = inputs(100 + trial)
         x.copy_(fresh_x)
         residual.copy_(fresh_residual)
+        plain.copy_(torch.randn(rows, 4096, generator=torch.Generator().manual_seed(
+            200 + trial + rank)).to(device, dtype))
         graph.replay()
+        torch.testing.assert_close(summed, nccl_sum(plain), rtol=0, atol=0,
+                                   msg=f"replay {trial}")
         expected, expected_residual = unfused(skinny_linear(fresh_x, weight), fresh_residual,
                                               norm_weight)
         expected, expected_residual = unfused(skinny_linear(fresh_x * 0.5, weight),

@@ -109,8 +109,9 @@ def projected_call_and_expected(peers: all_reduce_norm.PeerRows, number: int, ro
     total = (parts[0].float() + parts[1].float()).to(DTYPE)
     residual, weight = draw(rows, width), draw(width)
     expected, _ = rmsnorm.add_rms_norm(total, residual.clone(), weight, EPS)
-    skinny.skinny_linear_to_peers(*operands[peers.rank], peers)
-    return all_reduce_norm.gathered_add_rms_norm(residual, weight, EPS, peers)[0], expected
+    got, _ = skinny.projection_all_reduce_add_rms_norm(*operands[peers.rank], residual, weight,
+                                                      EPS, peers)
+    return got, expected
 
 
 def draws(seed: int, dtype: torch.dtype = DTYPE):
@@ -186,11 +187,13 @@ def test_negative_zeros_are_sent_as_zeros_and_slots_left_empty(rank: int,
     ranks.check_sent(torch.where(is_empty(mine), torch.zeros_like(mine), mine), 1)
 
 
+@pytest.mark.parametrize("projected", [False, True], ids=["plain", "projected"])
 @pytest.mark.parametrize("rank", [0, 2])
-def test_four_ranks_parts_sum_in_rank_order(rank: int) -> None:
+def test_four_ranks_parts_sum_in_rank_order(rank: int, projected: bool) -> None:
     """At four ranks (three peers played by hand, their parts already sent): the sum of all
     four in rank order, this rank's part in every peer's slot for it, its own slots left
-    empty, over both parities."""
+    empty, over both parities; `projected`: this rank's part sent from the projection's
+    epilogue (its own slot among the four), then added to a residual and normalised."""
     world, rows, width = 4, 3, 40
     regions = [all_reduce_norm.PeerRows.empty_slots(torch.empty(
         all_reduce_norm.PeerRows.region_numel(world, ROW_NUMEL, MAX_ROWS), dtype=DTYPE,
@@ -200,19 +203,32 @@ def test_four_ranks_parts_sum_in_rank_order(rank: int) -> None:
     draw = draws(20 + rank)
     for epoch in (1, 2, 3):
         parts = [draw(rows, width) for _ in range(world)]
+        x, weight = draw(rows, 24), draw(width, 24)
+        if projected:
+            parts[rank] = (x.float() @ weight.float().T).to(DTYPE)
         for sender in range(world):
             if sender != rank:
                 slot(regions[rank], world, epoch, sender)[:rows, :width].copy_(parts[sender])
         total = parts[0].float()
         for part in parts[1:]:
             total = total + part.float()
-        got = all_reduce_norm.all_reduce_rows(parts[rank], peers)
-        torch.testing.assert_close(got, total.to(DTYPE), atol=TOLERANCE, rtol=TOLERANCE)
+        if projected:
+            residual, norm_weight = draw(rows, width), draw(width)
+            expected, _ = rmsnorm.add_rms_norm(total.to(DTYPE), residual.clone(), norm_weight,
+                                               EPS)
+            got, _ = skinny.projection_all_reduce_add_rms_norm(x, weight, residual,
+                                                               norm_weight, EPS, peers)
+        else:
+            expected = total.to(DTYPE)
+            got = all_reduce_norm.all_reduce_rows(parts[rank], peers)
+        torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
         for other in range(world):
-            if other != rank:
-                sent = slot(regions[other], world, epoch, rank)[:rows, :width]
+            sent = slot(regions[other], world, epoch, rank)[:rows, :width]
+            if other != rank and projected:  # the kernel's dot may round as torch's does not
+                torch.testing.assert_close(sent, parts[rank], atol=TOLERANCE, rtol=TOLERANCE)
+            elif other != rank:
                 assert torch.equal(sent, parts[rank])
-                assert is_empty(slot(regions[rank], world, epoch, other)[:rows, :width]).all()
+            assert is_empty(slot(regions[rank], world, epoch, other)[:rows, :width]).all()
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -234,10 +250,25 @@ def test_a_projection_sent_from_its_epilogue_sums_with_the_peers_part(rank: int,
         assert is_empty(ranks.rows(ranks.rank, ranks.rank, epoch, rows, width)).all()
         assert is_empty(ranks.rows(ranks.rank, ranks.peer, epoch, rows, width)).all()
         assert ranks.peers.epochs[:rows].tolist() == [epoch] * rows
-    x = torch.zeros(1, 24, dtype=DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="fits the peers' slots"):
-        skinny.skinny_linear_to_peers(x, torch.zeros(ROW_NUMEL + 1, 24, dtype=DTYPE,
-                                                     device=DEVICE), ranks.peers)
+
+
+@pytest.mark.parametrize("wrong", ["norm_weight", "residual_dtype", "too_wide", "too_many_rows"])
+def test_a_projection_refused_sends_nothing(wrong: str) -> None:
+    """Inputs the reduce would refuse are refused before the projection sends its part: a
+    part sent without its reduce would sit in the peer's slot and read as arrived in a
+    later call. Nothing is sent, and the rows' call counts stay."""
+    ranks, draw = TwoRanks(0), draws(5)
+    rows, width = (MAX_ROWS + 1 if wrong == "too_many_rows" else 2), (
+        ROW_NUMEL + 1 if wrong == "too_wide" else 16)
+    x, weight = draw(rows, 24), draw(width, 24)
+    residual = draw(rows, width).to(torch.float16 if wrong == "residual_dtype" else DTYPE)
+    norm_weight = draw(width + (1 if wrong == "norm_weight" else 0))
+    with pytest.raises(ValueError, match="takes"):
+        skinny.projection_all_reduce_add_rms_norm(x, weight, residual, norm_weight, EPS,
+                                                  ranks.peers)
+    for region in ranks.data:
+        assert is_empty(region).all()
+    assert not ranks.peers.epochs.any()
 
 
 RANK_SECONDS = 120  # a rank's calls take a second or two under the interpreter

@@ -42,12 +42,11 @@ try:
         PeerRows,
         all_reduce_add_rms_norm,
         all_reduce_rows,
-        gathered_add_rms_norm,
     )
     from bcg.kernels.skinny_linear import MAX_ROWS as PROJECTION_MAX_ROWS
-    from bcg.kernels.skinny_linear import skinny_linear_to_peers
+    from bcg.kernels.skinny_linear import projection_all_reduce_add_rms_norm
 except ImportError:  # no Triton: no kernel
-    PeerRows = None
+    PeerRows, PROJECTION_MAX_ROWS = None, 0
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +104,9 @@ class PeerAllReduce:
         weight.T` (`[rows, K]` by `[N, K]`, rows at most the skinny kernel's) with the
         all-reduce, add and norm after it: as `takes_add_rms_norm` for its output. Every rank
         answers alike. The caller checks that the skinny kernel suits the weight."""
+        self._check_open()
         return (x.dim() == 2 and x.shape[0] <= PROJECTION_MAX_ROWS and x.is_contiguous()
-                and x.dtype == weight.dtype
+                and x.dtype == weight.dtype == residual.dtype
                 and residual.shape == (x.shape[0], weight.shape[0])
                 and self.takes_add_rms_norm(residual, residual))
 
@@ -117,8 +117,8 @@ class PeerAllReduce:
         output tile to every rank as it finishes it, and the reduce after it only waits for
         the parts, sums, adds and normalises."""
         self._check_open()
-        skinny_linear_to_peers(x, weight, self.rows)
-        return gathered_add_rms_norm(residual, norm_weight, eps, self.rows)
+        return projection_all_reduce_add_rms_norm(x, weight, residual, norm_weight, eps,
+                                                  self.rows)
 
     def release_waits(self) -> None:
         """End this rank's waits in the kernel for good (a peer died mid-step): its steps

@@ -11,10 +11,10 @@ waits for one), reads its own buffer until every peer's part has arrived, sums t
 rank order (so every rank computes the same bits) and either writes the sum or adds and
 normalises the row as `bcg.kernels.rmsnorm.add_rms_norm` does. A row-parallel projection on
 the skinny kernel can send its part itself instead (`send_tile`, from
-`bcg.kernels.skinny_linear.skinny_linear_to_peers`): each of its programs stores its output
-tile in every rank's slot as it finishes, so the parts cross NVLink while the projection's
-other programs still run, and the reduce after it (`gathered_add_rms_norm`) only waits,
-sums, adds and normalises.
+`bcg.kernels.skinny_linear.projection_all_reduce_add_rms_norm`): each of its programs stores
+its output tile in every rank's slot as it finishes, so the parts cross NVLink while the
+projection's other programs still run, and the reduce after it (`gathered_add_rms_norm`)
+only waits, sums, adds and normalises.
 
 The data is its own signal (the one-shot "Lamport" scheme): an empty slot holds negative
 zeros (`EMPTY`), a sender sends its negative zeros as positive ones, so a part has arrived
@@ -67,7 +67,7 @@ def all_reduce_rows(x: torch.Tensor, peers: PeerRows) -> torch.Tensor:
     bits on every rank. Every rank of `peers` must make the same calls with the same shapes,
     in the same order."""
     if not peers.takes(x):
-        raise ValueError(f"all_reduce_rows takes x {_fitting(peers)}; got x {_described(x)}")
+        raise ValueError(f"all_reduce_rows takes x {fitting(peers)}; got x {_described(x)}")
     out = torch.empty_like(x)
     _run(x, x, x, out, 0.0, peers, add_norm=False)
     return out
@@ -92,7 +92,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
     if not peers.takes(x) or residual.shape != x.shape or residual.dtype != x.dtype \
             or norm_weight.shape != (x.shape[-1],):
         raise ValueError(
-            f"all_reduce_add_rms_norm takes x and residual {_fitting(peers)}, and norm_weight "
+            f"all_reduce_add_rms_norm takes x and residual {fitting(peers)}, and norm_weight "
             f"[N]; got x {_described(x)}, residual {_described(residual)}, norm_weight "
             f"{tuple(norm_weight.shape)}")
     require_last_dim_contiguous("residual", residual)
@@ -104,11 +104,12 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight
 def gathered_add_rms_norm(residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           peers: PeerRows) -> tuple[torch.Tensor, torch.Tensor]:
     """`all_reduce_add_rms_norm` of parts every rank already sent (`send_tile`, from the
-    epilogue of the projection before: `bcg.kernels.skinny_linear.skinny_linear_to_peers`),
-    this rank's own among them, for the rows and width of `residual`."""
+    epilogue of the projection before), this rank's own among them, for the rows and width
+    of `residual`: the second launch of
+    `bcg.kernels.skinny_linear.projection_all_reduce_add_rms_norm`, which checks both."""
     if not peers.takes(residual) or norm_weight.shape != (residual.shape[-1],):
         raise ValueError(
-            f"gathered_add_rms_norm takes residual {_fitting(peers)}, and norm_weight [N]; got "
+            f"gathered_add_rms_norm takes residual {fitting(peers)}, and norm_weight [N]; got "
             f"residual {_described(residual)}, norm_weight {tuple(norm_weight.shape)}")
     out = torch.empty_like(residual)
     _run(residual, residual, norm_weight, out, float(eps), peers, add_norm=True, sent=True)
@@ -161,7 +162,8 @@ class PeerRows:
                 and x.stride(1) == 1)
 
 
-def _fitting(peers: PeerRows) -> str:
+def fitting(peers: PeerRows) -> str:
+    """What `peers.takes`, in words for an error message."""
     return (f"[rows, N] of the buffers' dtype {peers.dtype}, rows at most {peers.max_rows} and "
             f"N at most {peers.row_numel}, last dim contiguous")
 

@@ -11,7 +11,9 @@ applies its activation as it writes its output: SiLU-and-mul of the gate/up proj
 halves (`activation="silu_and_mul"`: a program owns the same columns of both) or NemotronH's
 squared ReLU (`"relu_squared"`), which saves the activation's own launch and a round trip
 through memory. (Fusing it into the down projection's input instead, recomputed by every program,
-ran 6-7x slower than cuBLAS on an H200.) The layers choose the kernel in
+ran 6-7x slower than cuBLAS on an H200.) Under tensor parallelism a row-parallel projection
+can instead send its output tiles to every rank for the all-reduce, add and norm after it
+(`projection_all_reduce_add_rms_norm`). The layers choose the kernel in
 `bcg.layers.triton_ops.uses_skinny_linear`.
 """
 
@@ -29,7 +31,13 @@ from bcg.kernels._launch import (
     multiprocessor_count,
     require_last_dim_contiguous,
 )
-from bcg.kernels.all_reduce_norm import EPOCH_MASK, PeerRows, send_tile
+from bcg.kernels.all_reduce_norm import (
+    EPOCH_MASK,
+    PeerRows,
+    fitting,
+    gathered_add_rms_norm,
+    send_tile,
+)
 from bcg.utils import cdiv
 
 MAX_ROWS = 16  # the smallest tile tl.dot multiplies; more rows go to cuBLAS
@@ -81,52 +89,81 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     gated = activation == "silu_and_mul"
-    rows, width = x.shape
-    weight_rows, k = weight.shape
-    if rows > MAX_ROWS or width != k or x.dtype != weight.dtype or (gated and weight_rows % 2):
-        raise ValueError(
-            f"skinny_linear takes at most {MAX_ROWS} rows of K columns in weight's dtype for a "
-            f"weight [N, K] ([2N, K] under SiLU-and-mul); got x {tuple(x.shape)} {x.dtype}, weight "
-            f"{tuple(weight.shape)} {weight.dtype}")
+    _check_operands("skinny_linear", x, weight, gated)
+    weight_rows = weight.shape[0]
     if bias is not None and bias.shape != (weight_rows,):
         raise ValueError(f"bias must be [{weight_rows}], got {tuple(bias.shape)}")
-    n = weight_rows // 2 if gated else weight_rows
-    out = x.new_empty(rows, n) if out is None else out
-    for name, tensor in (("x", x), ("weight", weight), ("out", out)):
-        require_last_dim_contiguous(name, tensor)
-    if rows == 0:
+    out = x.new_empty(x.shape[0], _out_columns(weight, gated)) if out is None else out
+    require_last_dim_contiguous("out", out)
+    if x.shape[0] == 0:
         return out
     _run(x, weight, bias, activation, out, config or CONFIGS.for_device(x.is_cuda), None)
     return out
 
 
-def skinny_linear_to_peers(x: torch.Tensor, weight: torch.Tensor, peers: PeerRows) -> None:
-    """This rank's part `x @ weight.T` of a tensor-parallel sum, written straight into every
-    rank's slot for it (`bcg.kernels.all_reduce_norm.send_tile`) instead of an output: each
-    program sends its columns as it finishes, so the parts cross NVLink while the others
-    still run, and `gathered_add_rms_norm` sums them without a send of its own. Every rank
-    of `peers` must make the same calls; `x` `[rows, K]`, rows at most MAX_ROWS, the
-    output `[rows, N]` within what `peers` takes."""
+def projection_all_reduce_add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, peers: PeerRows,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`all_reduce_add_rms_norm(x @ weight.T, residual, norm_weight, eps, peers)` of a
+    row-parallel projection, in two launches: each program of the projection sends its
+    output columns straight into every rank's slot for this rank
+    (`bcg.kernels.all_reduce_norm.send_tile`) as it finishes, so the parts cross NVLink
+    while the others still run, and `gathered_add_rms_norm` then only waits for the parts,
+    sums, adds and normalises. Everything is checked before the send: a part sent without
+    its reduce would leave the slots full for a later call. Every rank of `peers` must make
+    the same calls.
+
+    Args:
+        x: `[rows, K]`, rows at most MAX_ROWS, last dim contiguous.
+        weight: `[N, K]`, `x`'s dtype, last dim contiguous.
+        residual: `[rows, N]`, `x`'s dtype, `peers.takes(residual)`; updated in place.
+        norm_weight: `[N]`.
+
+    Returns `(out, residual)`, `out` new.
+    """
+    _check_operands("projection_all_reduce_add_rms_norm", x, weight, gated=False)
     rows, n = x.shape[0], weight.shape[0]
-    if rows > MAX_ROWS or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype \
-            or not peers.takes(x.new_empty(rows, n)):
+    if residual.shape != (rows, n) or residual.dtype != x.dtype or not peers.takes(residual) \
+            or norm_weight.shape != (n,):
         raise ValueError(
-            f"skinny_linear_to_peers takes at most {MAX_ROWS} rows of K columns and a weight "
-            f"[N, K] of x's dtype whose output fits the peers' slots; got x {tuple(x.shape)} "
-            f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+            f"projection_all_reduce_add_rms_norm takes residual [rows, N] of x's dtype and "
+            f"{fitting(peers)}, and norm_weight [N]; got x {tuple(x.shape)} {x.dtype}, weight "
+            f"{tuple(weight.shape)}, residual {tuple(residual.shape)} {residual.dtype}, "
+            f"norm_weight {tuple(norm_weight.shape)}")
+    _run(x, weight, None, None, x, CONFIGS.for_device(x.is_cuda), peers)
+    return gathered_add_rms_norm(residual, norm_weight, eps, peers)
+
+
+def _check_operands(caller: str, x: torch.Tensor, weight: torch.Tensor, gated: bool) -> None:
+    """`x` `[rows, K]` (rows at most MAX_ROWS) and `weight` `[N, K]` (`[2N, K]` gated) of
+    one dtype, last dims contiguous."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] > MAX_ROWS \
+            or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype \
+            or (gated and weight.shape[0] % 2):
+        raise ValueError(
+            f"{caller} takes at most {MAX_ROWS} rows of K columns in weight's dtype for a "
+            f"weight [N, K] ([2N, K] under SiLU-and-mul); got x {tuple(x.shape)} {x.dtype}, "
+            f"weight {tuple(weight.shape)} {weight.dtype}")
     for name, tensor in (("x", x), ("weight", weight)):
         require_last_dim_contiguous(name, tensor)
-    _run(x, weight, None, None, x, CONFIGS.for_device(x.is_cuda), peers)
+
+
+def _out_columns(weight: torch.Tensor, gated: bool) -> int:
+    """N: the output's columns (SiLU-and-mul halves the weight's `[gate | up]` rows)."""
+    return weight.shape[0] // 2 if gated else weight.shape[0]
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          activation: str | None, out: torch.Tensor, config: SkinnyConfig,
          peers: PeerRows | None) -> None:
-    """Launch the kernel: into `out`, or (`peers`) into every rank's slot for this rank."""
+    """Launch the kernel: into `out`, or (`peers`) into every rank's slot for this rank
+    (then `out` is only a placeholder: the kernel stores nothing there)."""
     gated = activation == "silu_and_mul"
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    n = _out_columns(weight, gated)
     sends = peers is not None
-    tensors = (x, weight, out, out if bias is None else bias,  # out: a bias never read
+    # `out` also stands for the pointers a launch never reads (no bias, no peers).
+    tensors = (x, weight, out, out if bias is None else bias,
                peers.data_ptrs if sends else out, peers.epochs if sends else out)
     _launch(
         (cdiv(n, config.block_n),),

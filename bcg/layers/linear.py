@@ -162,6 +162,7 @@ class RowParallelLinear(Linear):
         sums them, adds and normalises."""
         if self.bias is not None:
             return norm.add_and_norm(self(x), residual)
+        # The kernel reads `self.weight` as is and norms as RMSNorm does: plain weights only.
         fused = self.tp.custom_all_reduce if self.tp.size > 1 else None
         if (residual is not None and fused is not None
                 and triton_ops.uses_skinny_linear(x, self.weight)

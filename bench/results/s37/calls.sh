@@ -1,0 +1,26 @@
+#!/bin/bash
+# Session 37's device calls: bash bench/results/s37/calls.sh a|b|c
+#   a  two H200s (`nvidia-h200-x2`), the tree with s36's review_mends.diff applied: the
+#      all-reduce and skinny kernels' tests, the two-GPU custom all-reduce and symmetric-memory
+#      tests, dummy nemotron-h-8b split in every graph mode and a worker dying mid-step
+#   b  same machine: the one-GPU test files in two lanes, then qwen3-8b split in every mode
+#   c  one H100: s36's tpot probe (qwen3-0.6b, prompts of 16 / 128 / 512)
+source bench/results/hang_s29/common.sh
+export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
+case "$1" in
+  a) run kernels 90 python -m pytest -q -p no:cacheprovider tests/test_kernels_all_reduce_norm.py \
+       tests/test_kernels_skinny_linear.py
+     run car 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_all_reduce.py \
+       tests/test_symm_mem.py
+     run multi 360 python -m pytest -q -m gpu -p no:cacheprovider -k \
+       "nemotron-h-8b-tp2 or dying" tests/test_multi_gpu.py ;;
+  b) GPU_CHECK_LANES=2 GPU_CHECK_FILES=single OUT=/tmp/out/suite timeout 300 bash \
+       scripts/gpu_check.sh "tests graph_runners_gpu models_hf engine_generate overlap" \
+       > /tmp/out/suite.log 2>&1; echo "suite rc $?"; tail -8 /tmp/out/suite.log
+     run multi8 200 python -m pytest -q -m gpu -p no:cacheprovider -k qwen3-8b-tp2 \
+       tests/test_multi_gpu.py ;;
+  c) run probe 240 python bench/results/s36/tpot_probe.py qwen3-0.6b 256
+     tail -30 $OUT/probe.log ;;
+  *) echo "usage: $0 a|b|c"; exit 2 ;;
+esac
+tar czf $OUT_ALL/logs.tgz -C $OUT .
