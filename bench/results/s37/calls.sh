@@ -4,7 +4,8 @@
 #      all-reduce and skinny kernels' tests, the two-GPU custom all-reduce and symmetric-memory
 #      tests, dummy nemotron-h-8b split in every graph mode and a worker dying mid-step
 #   b  same machine: the one-GPU test files in two lanes, then qwen3-8b split in every mode
-#   c  one H100: s36's tpot probe (qwen3-0.6b, prompts of 16 / 128 / 512)
+#   c  one H100: s36's tpot probe (qwen3-0.6b, prompts of 16 / 128 / 512), then bench_decode's
+#      qwen3-0.6b overlapped rows (step loop and tpot) on the same card
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -20,7 +21,9 @@ case "$1" in
      run multi8 200 python -m pytest -q -m gpu -p no:cacheprovider -k qwen3-8b-tp2 \
        tests/test_multi_gpu.py ;;
   c) run probe 240 python bench/results/s36/tpot_probe.py qwen3-0.6b 256
-     tail -30 $OUT/probe.log ;;
+     tail -6 $OUT/probe.log
+     run decode 300 python bench/bench_decode.py --models qwen3-0.6b --modes "full graph, overlapped"
+     cp bench/results/bench_decode*.json $OUT/ 2>/dev/null; grep -E "qwen3-0.6b" $OUT/decode.log | tail -4 ;;
   *) echo "usage: $0 a|b|c"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
