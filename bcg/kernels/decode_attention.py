@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_attention_layout
 from bcg.kernels._launch import (
     PROGRAMS_PER_SM,
@@ -175,6 +176,7 @@ def decode_attention(
             "GROUP_P2": next_power_of_2(group),
             "MAX_SPLITS": MAX_SPLITS,
             "SPLITS_PER_LOAD": max(1, MERGE_LOAD_VALUES // (next_power_of_2(group) * head_dim)),
+            "LAUNCH_DEPENDENTS": _pdl.ENABLED and q.is_cuda,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -245,7 +247,9 @@ def _decode_split_kernel(
     GROUP_P2: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     SPLITS_PER_LOAD: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    _pdl.launch_dependents(LAUNCH_DEPENDENTS)
     kv_head = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import (
     CachedLauncher,
     next_power_of_2,
@@ -109,6 +110,7 @@ def _launch(
             "STRIDE_OUT_HEAD": out_head,
             "HAS_RESIDUAL": residual is not None,
             "BLOCK": block,
+            "LAUNCH_DEPENDENTS": _pdl.ENABLED and x.is_cuda,
         },
         num_warps=num_warps,
     )
@@ -132,7 +134,9 @@ def _rms_norm_kernel(
     STRIDE_OUT_HEAD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    _pdl.launch_dependents(LAUNCH_DEPENDENTS)
     row = tl.program_id(0)
     token = (row // HEADS).to(tl.int64)
     head = row % HEADS

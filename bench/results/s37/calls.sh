@@ -6,6 +6,10 @@
 #   b  same machine: the one-GPU test files in two lanes, then qwen3-8b split in every mode
 #   c  one H100: s36's tpot probe (qwen3-0.6b, prompts of 16 / 128 / 512), then bench_decode's
 #      qwen3-0.6b overlapped rows (step loop and tpot) on the same card
+#   d  one H100, branch pdl-prefetch: the kernel tests with BCG_PDL=1, then bench_decode
+#      (overlapped full graphs) of qwen3-0.6b and qwen3-8b with it off, PDL with each
+#      projection asking L2 for its first 16 MiB of weight before it waits (pdl16), PDL alone
+#      (pdl0), and (0.6b) every projection on the skinny kernel (all16)
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -24,6 +28,19 @@ case "$1" in
      tail -6 $OUT/probe.log
      run decode 300 python bench/bench_decode.py --models qwen3-0.6b --modes "full graph, overlapped"
      cp bench/results/bench_decode*.json $OUT/ 2>/dev/null; grep -E "qwen3-0.6b" $OUT/decode.log | tail -4 ;;
-  *) echo "usage: $0 a|b|c"; exit 2 ;;
+  d) export BCG_PDL=1
+     run kernels 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_skinny_linear.py \
+       tests/test_kernels_decode_attention.py tests/test_kernels_small_ops.py
+     for model in qwen3-0.6b qwen3-8b; do
+       for cfg in off pdl16 pdl0 all16; do
+         [ $cfg = all16 ] && [ $model = qwen3-8b ] && continue
+         BCG_PDL=$([ $cfg = off ] && echo 0 || echo 1) BCG_PREFETCH_MB=${cfg//[a-z]/} \
+           BCG_SKINNY_ALL=$([ $cfg = all16 ] && echo 1 || echo 0) \
+           run ${model}_$cfg 150 python bench/bench_decode.py --models $model \
+           --modes "full graph, overlapped" --label $cfg
+         grep -E "^$model " $OUT/${model}_$cfg.log | sed "s/^/$cfg /"
+       done
+     done ;;
+  *) echo "usage: $0 a|b|c|d"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
