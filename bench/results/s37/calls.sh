@@ -34,7 +34,7 @@ case "$1" in
      for model in qwen3-0.6b qwen3-8b; do
        for cfg in off pdl16 pdl0 all16; do
          [ $cfg = all16 ] && [ $model = qwen3-8b ] && continue
-         BCG_PDL=$([ $cfg = off ] && echo 0 || echo 1) BCG_PREFETCH_MB=${cfg//[a-z]/} \
+         BCG_PDL=$([ $cfg = off ] && echo 0 || echo 1) BCG_PREFETCH_MB=$(mb=${cfg//[a-z]/}; echo ${mb:-16}) \
            BCG_SKINNY_ALL=$([ $cfg = all16 ] && echo 1 || echo 0) \
            run ${model}_$cfg 150 python bench/bench_decode.py --models $model \
            --modes "full graph, overlapped" --label $cfg
