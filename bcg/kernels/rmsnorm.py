@@ -95,6 +95,7 @@ def _launch(
     x_tok, x_head = _row_strides(x)
     res_tok, res_head = _row_strides(residual_or_x)
     out_tok, out_head = _row_strides(out)
+    pdl = _pdl.role(x.is_cuda)
     _launch_rms_norm(
         (num_rows,),
         (x, residual_or_x, weight, out),
@@ -110,9 +111,10 @@ def _launch(
             "STRIDE_OUT_HEAD": out_head,
             "HAS_RESIDUAL": residual is not None,
             "BLOCK": block,
-            "LAUNCH_DEPENDENTS": _pdl.ENABLED and x.is_cuda,
+            "PDL": pdl,
         },
         num_warps=num_warps,
+        launch_pdl=pdl == 2,
     )
 
 
@@ -134,9 +136,9 @@ def _rms_norm_kernel(
     STRIDE_OUT_HEAD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    _pdl.launch_dependents(LAUNCH_DEPENDENTS)
+    _pdl.begin(PDL)
     row = tl.program_id(0)
     token = (row // HEADS).to(tl.int64)
     head = row % HEADS

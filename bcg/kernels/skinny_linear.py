@@ -65,8 +65,6 @@ def fills_device(weight: torch.Tensor, activation: str | None = None) -> bool:
     (under SiLU-and-mul one reads two weight tiles per program): fewer programs cannot
     stream the weight at full speed without splitting K. On an H200, 96 programs still beat
     cuBLAS and 64 did not."""
-    if _pdl.SKINNY_ALL:
-        return True
     columns = weight.shape[0] // (2 if activation == "silu_and_mul" else 1)
     programs = cdiv(columns, CONFIGS.for_device(weight.is_cuda).block_n)
     return 2 * programs >= multiprocessor_count(weight.device)
@@ -165,9 +163,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     gated = activation == "silu_and_mul"
     n = _out_columns(weight, gated)
     sends = peers is not None
-    pdl = _pdl.ENABLED and x.is_cuda and not sends
-    prefetch = _pdl.prefetch_elements(weight.shape[0], weight.shape[1], weight.element_size()) \
-        if pdl else 0
+    pdl = _pdl.role(x.is_cuda) > 0 and not sends
     # `out` also stands for the pointers a launch never reads (no bias, no peers).
     tensors = (x, weight, out, out if bias is None else bias,
                peers.data_ptrs if sends else out, peers.epochs if sends else out)
@@ -185,8 +181,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          "WORLD": peers.world_size if sends else 1,
          "ROW_NUMEL": peers.row_numel if sends else 0,
          "SLOT_NUMEL": peers.row_numel * peers.max_rows if sends else 0,
-         "EPOCH_MASK": EPOCH_MASK, "PDL": pdl, "PREFETCH_K": prefetch,
-         "ELEMENTS_PER_LINE": _pdl.LINE // weight.element_size(),
+         "EPOCH_MASK": EPOCH_MASK, "PDL": pdl,
          "BLOCK_M": MAX_ROWS, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k},
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -215,9 +210,7 @@ def _skinny_linear_kernel(
     ROW_NUMEL: tl.constexpr,
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
-    PDL: tl.constexpr,  # launched early: the weight asked for, then wait for x
-    PREFETCH_K: tl.constexpr,
-    ELEMENTS_PER_LINE: tl.constexpr,
+    PDL: tl.constexpr,  # launched early: wait for x, let the next start after the loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -226,11 +219,6 @@ def _skinny_linear_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
     col_mask = cols < N
-    if PREFETCH_K > 0:
-        _pdl.prefetch_rows(w_ptr, cols, col_mask, STRIDE_W, PREFETCH_K, ELEMENTS_PER_LINE)
-        if GATED:
-            _pdl.prefetch_rows(w_ptr + N * STRIDE_W, cols, col_mask, STRIDE_W, PREFETCH_K,
-                               ELEMENTS_PER_LINE)
     _pdl.wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half's, if gated

@@ -10,6 +10,9 @@
 #      (overlapped full graphs) of qwen3-0.6b and qwen3-8b with it off, PDL with each
 #      projection asking L2 for its first 16 MiB of weight before it waits (pdl16), PDL alone
 #      (pdl0), and (0.6b) every projection on the skinny kernel (all16)
+#   e  one H100, branch pdl-prefetch without the prefetch: kernel and engine tests with
+#      BCG_PDL=2, then bench_decode with BCG_PDL 0 (off), 1 (the skinny projections launched
+#      early) and 2 (also the norms, rotary and decode attention), alternating
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -41,6 +44,21 @@ case "$1" in
          grep -E "^$model " $OUT/${model}_$cfg.log | sed "s/^/$cfg /"
        done
      done ;;
-  *) echo "usage: $0 a|b|c|d"; exit 2 ;;
+  e) BCG_PDL=2 run kernels2 120 python -m pytest -q -p no:cacheprovider \
+       tests/test_kernels_skinny_linear.py tests/test_kernels_decode_attention.py \
+       tests/test_kernels_small_ops.py
+     BCG_PDL=2 run engine2 150 python -m pytest -q -m gpu -p no:cacheprovider \
+       tests/test_engine_generate.py tests/test_overlap.py
+     for round in 1 2; do
+       for model in qwen3-0.6b qwen3-8b; do
+         for mode in 0 1 2; do
+           [ $round = 2 ] && [ $model = qwen3-8b ] && continue
+           BCG_PDL=$mode run ${model}_pdl${mode}_$round 150 python bench/bench_decode.py \
+             --models $model --modes "full graph, overlapped" --label pdl$mode
+           grep -E "^$model " $OUT/${model}_pdl${mode}_$round.log | sed "s/^/pdl$mode /"
+         done
+       done
+     done ;;
+  *) echo "usage: $0 a|b|c|d|e"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
