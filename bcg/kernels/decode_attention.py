@@ -158,7 +158,7 @@ def decode_attention(
             f"{plan.head_dim}, not q {tuple(q.shape)}: build a fitting one with plan_decode()"
         )
     config = plan.config
-    pdl = _pdl.role(q.is_cuda)
+    pdl = _pdl.launches_early(q.device)
     # KV heads on the fastest grid axis: a row's heads, 256 B apart in each cache slot at
     # head_dim 128, are read at about the same time (1-2% at 128-256 mixed-length rows).
     _launch_split(
@@ -181,7 +181,7 @@ def decode_attention(
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        launch_pdl=pdl == 2,
+        launch_pdl=pdl,
     )
     return out
 
@@ -251,7 +251,7 @@ def _decode_split_kernel(
     SPLITS_PER_LOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _pdl.begin(PDL)
+    _pdl.start_after_previous(PDL)
     kv_head = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)

@@ -95,7 +95,7 @@ def _launch(
     x_tok, x_head = _row_strides(x)
     res_tok, res_head = _row_strides(residual_or_x)
     out_tok, out_head = _row_strides(out)
-    pdl = _pdl.role(x.is_cuda)
+    pdl = _pdl.launches_early(x.device)
     _launch_rms_norm(
         (num_rows,),
         (x, residual_or_x, weight, out),
@@ -114,7 +114,7 @@ def _launch(
             "PDL": pdl,
         },
         num_warps=num_warps,
-        launch_pdl=pdl == 2,
+        launch_pdl=pdl,
     )
 
 
@@ -138,7 +138,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _pdl.begin(PDL)
+    _pdl.start_after_previous(PDL)
     row = tl.program_id(0)
     token = (row // HEADS).to(tl.int64)
     head = row % HEADS

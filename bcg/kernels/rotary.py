@@ -80,7 +80,7 @@ def apply_rotary(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    pdl = _pdl.role(q.is_cuda)
+    pdl = _pdl.launches_early(q.device)
     _launch_rotary(
         (num_tokens,),
         # Without norms the kernel never reads the weight pointers; cos stands in for them.
@@ -103,7 +103,7 @@ def apply_rotary(
             "STORE_KV": kv_store is not None,
             "PDL": pdl,
         },
-        launch_pdl=pdl == 2,
+        launch_pdl=pdl,
     )
 
 
@@ -181,7 +181,7 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _pdl.begin(PDL)
+    _pdl.start_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)

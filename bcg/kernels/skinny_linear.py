@@ -163,7 +163,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     gated = activation == "silu_and_mul"
     n = _out_columns(weight, gated)
     sends = peers is not None
-    pdl = _pdl.role(x.is_cuda) > 0 and not sends
+    pdl = _pdl.launches_early(x.device) and not sends
     # `out` also stands for the pointers a launch never reads (no bias, no peers).
     tensors = (x, weight, out, out if bias is None else bias,
                peers.data_ptrs if sends else out, peers.epochs if sends else out)
@@ -210,7 +210,7 @@ def _skinny_linear_kernel(
     ROW_NUMEL: tl.constexpr,
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
-    PDL: tl.constexpr,  # launched early: wait for x, let the next start after the loop
+    PDL: tl.constexpr,  # launched early: wait for x; the next starts after the loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,

@@ -13,6 +13,9 @@
 #   e  one H100, branch pdl-prefetch without the prefetch: kernel and engine tests with
 #      BCG_PDL=2, then bench_decode with BCG_PDL 0 (off), 1 (the skinny projections launched
 #      early) and 2 (also the norms, rotary and decode attention), alternating
+#   f  two H200s, PDL on by default: the one-GPU test files (kernels included) in two lanes,
+#      the two-GPU custom all-reduce and symmetric-memory tests
+#   g  same machine: dummy nemotron-h-8b and qwen3-8b split in every graph mode, a worker dying
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -59,6 +62,13 @@ case "$1" in
          done
        done
      done ;;
-  *) echo "usage: $0 a|b|c|d|e"; exit 2 ;;
+  f) GPU_CHECK_LANES=2 GPU_CHECK_FILES=single OUT=/tmp/out/suite timeout 420 bash \
+       scripts/gpu_check.sh "tests kernels graph_runners_gpu models_hf engine_generate overlap" \
+       > /tmp/out/suite.log 2>&1; echo "suite rc $?"; sed -n '/=== summary/,$p' /tmp/out/suite.log
+     run car 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_all_reduce.py \
+       tests/test_symm_mem.py ;;
+  g) run multi 330 python -m pytest -q -m gpu -p no:cacheprovider -k \
+       "nemotron-h-8b-tp2 or dying or qwen3-8b-tp2" tests/test_multi_gpu.py ;;
+  *) echo "usage: $0 a|b|c|d|e|f|g"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
