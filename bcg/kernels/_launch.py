@@ -133,16 +133,23 @@ class CachedLauncher:
         constexprs: dict,
         num_warps: int = 4,
         num_stages: int = 3,
+        launch_pdl: bool = False,
     ) -> None:
-        """Launch ``kernel[grid](*tensors, *scalars, **constexprs)``."""
+        """Launch ``kernel[grid](*tensors, *scalars, **constexprs)``; ``launch_pdl`` lets it
+        start before the kernel ahead of it in the stream ends (programmatic dependent launch:
+        the kernel must wait for it with ``gdc_wait`` before reading its outputs)."""
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        if launch_pdl:
+            options["launch_pdl"] = True
         if not self.compiles:
-            self._launch_through_triton(grid, tensors, scalars, constexprs, num_warps, num_stages)
+            self._launch_through_triton(grid, tensors, scalars, constexprs, options)
             return
         addresses = [t.data_ptr() for t in tensors]
         misaligned = functools.reduce(operator.or_, addresses) % 16
         device = tensors[0].get_device()
         constants = tuple(constexprs.values())
-        key = (device, tuple([t.dtype for t in tensors]), constants, num_warps, num_stages)
+        key = (device, tuple([t.dtype for t in tensors]), constants, num_warps, num_stages,
+               launch_pdl)
         compiled = None if misaligned else self.compiled.get(key)
         if compiled is None:
             if misaligned:  # Triton specialises on which pointers are 16-byte aligned
@@ -152,9 +159,8 @@ class CachedLauncher:
                     f"{self.kernel} meets a new variant during a CUDA graph capture; run the "
                     "captured code once eagerly first"
                 )
-            self.compiled[key] = self._launch_through_triton(
-                grid, tensors, scalars, constexprs, num_warps, num_stages
-            )
+            self.compiled[key] = self._launch_through_triton(grid, tensors, scalars, constexprs,
+                                                             options)
             return
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         compiled.run(
@@ -164,9 +170,7 @@ class CachedLauncher:
             *addresses, *scalars, *constants,
         )
 
-    def _launch_through_triton(
-        self, grid, tensors, scalars, constexprs, num_warps, num_stages
-    ) -> object:
+    def _launch_through_triton(self, grid, tensors, scalars, constexprs, options) -> object:
         """The ordinary launch (compiling if needed); returns Triton's compiled kernel."""
         self.slow_launches += 1
         if _triton_hashing is not None:
@@ -183,4 +187,4 @@ class CachedLauncher:
                     f"{self.kernel}: integer argument {index} must be a constexpr or listed in "
                     "do_not_specialize to be launched through CachedLauncher"
                 )
-        return self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return self.kernel[grid](*args, **constexprs, **options)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._attention_tile import LOG2_E, attend_kv_range, paged_attention_layout
 from bcg.kernels._launch import (
     PROGRAMS_PER_SM,
@@ -157,6 +158,7 @@ def decode_attention(
             f"{plan.head_dim}, not q {tuple(q.shape)}: build a fitting one with plan_decode()"
         )
     config = plan.config
+    pdl = _pdl.launches_early(q.device)
     # KV heads on the fastest grid axis: a row's heads, 256 B apart in each cache slot at
     # head_dim 128, are read at about the same time (1-2% at 128-256 mixed-length rows).
     _launch_split(
@@ -175,9 +177,11 @@ def decode_attention(
             "GROUP_P2": next_power_of_2(group),
             "MAX_SPLITS": MAX_SPLITS,
             "SPLITS_PER_LOAD": max(1, MERGE_LOAD_VALUES // (next_power_of_2(group) * head_dim)),
+            "PDL": pdl,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out
 
@@ -245,7 +249,9 @@ def _decode_split_kernel(
     GROUP_P2: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     SPLITS_PER_LOAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     kv_head = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import (
     CachedLauncher,
     next_power_of_2,
@@ -94,6 +95,7 @@ def _launch(
     x_tok, x_head = _row_strides(x)
     res_tok, res_head = _row_strides(residual_or_x)
     out_tok, out_head = _row_strides(out)
+    pdl = _pdl.launches_early(x.device)
     _launch_rms_norm(
         (num_rows,),
         (x, residual_or_x, weight, out),
@@ -109,8 +111,10 @@ def _launch(
             "STRIDE_OUT_HEAD": out_head,
             "HAS_RESIDUAL": residual is not None,
             "BLOCK": block,
+            "PDL": pdl,
         },
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
 
 
@@ -132,7 +136,9 @@ def _rms_norm_kernel(
     STRIDE_OUT_HEAD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     row = tl.program_id(0)
     token = (row // HEADS).to(tl.int64)
     head = row % HEADS

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from bcg.forward import KVStore
+from bcg.kernels import _pdl
 from bcg.kernels._launch import (
     CachedLauncher,
     next_power_of_2,
@@ -79,6 +80,7 @@ def apply_rotary(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
+    pdl = _pdl.launches_early(q.device)
     _launch_rotary(
         (num_tokens,),
         # Without norms the kernel never reads the weight pointers; cos stands in for them.
@@ -99,7 +101,9 @@ def apply_rotary(
             "STRIDE_V_TOK": v.stride(0),
             "STRIDE_V_HEAD": v.stride(1),
             "STORE_KV": kv_store is not None,
+            "PDL": pdl,
         },
+        launch_pdl=pdl,
     )
 
 
@@ -175,7 +179,9 @@ def _rotary_kernel(
     STRIDE_V_TOK: tl.constexpr,
     STRIDE_V_HEAD: tl.constexpr,
     STORE_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)

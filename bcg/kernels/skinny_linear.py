@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import (
     CachedLauncher,
     DeviceConfigs,
@@ -162,6 +163,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     gated = activation == "silu_and_mul"
     n = _out_columns(weight, gated)
     sends = peers is not None
+    pdl = _pdl.launches_early(x.device) and not sends
     # `out` also stands for the pointers a launch never reads (no bias, no peers).
     tensors = (x, weight, out, out if bias is None else bias,
                peers.data_ptrs if sends else out, peers.epochs if sends else out)
@@ -179,10 +181,11 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          "WORLD": peers.world_size if sends else 1,
          "ROW_NUMEL": peers.row_numel if sends else 0,
          "SLOT_NUMEL": peers.row_numel * peers.max_rows if sends else 0,
-         "EPOCH_MASK": EPOCH_MASK,
+         "EPOCH_MASK": EPOCH_MASK, "PDL": pdl,
          "BLOCK_M": MAX_ROWS, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k},
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
 
 
@@ -207,6 +210,7 @@ def _skinny_linear_kernel(
     ROW_NUMEL: tl.constexpr,
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
+    PDL: tl.constexpr,  # launched early: wait for x; the next starts after the loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -215,6 +219,7 @@ def _skinny_linear_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
     col_mask = cols < N
+    _pdl.wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half's, if gated
     for start in range(0, K, BLOCK_K):
@@ -228,6 +233,7 @@ def _skinny_linear_kernel(
         if GATED:
             up = _load_tile(w_ptrs + N * STRIDE_W, w_mask, EVEN_N and EVEN_K)
             acc_up = tl.dot(a, tl.trans(up), acc_up, input_precision=PRECISION)
+    _pdl.launch_dependents(PDL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:

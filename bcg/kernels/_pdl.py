@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL) for the kernels of a decode step.
+
+A decode step at small batch is a chain of short dependent kernels, each paying its launch
+and ramp after the one before has drained. A kernel launched with PDL may start while the
+kernel ahead of it still runs, once every program of that one has called
+`gdc_launch_dependents`; it then waits (`gdc_wait`) for the kernel ahead to finish before it
+touches memory, so the results are the same, and only its launch overlaps the other's tail.
+
+The norms, the rotary kernel and decode attention wait, then let the next kernel start at
+once (their programs are few and short). The skinny projections wait, and let the next start
+only after their weight loop: earlier, the next kernel's programs would hold
+multiprocessors that the projection's own later programs still need (launching every kernel
+early with the release first cost qwen3-8b 3-4% a step on an H100, session 26).
+
+On by default on GPUs that have it (compute capability 9.0 and up, Triton with
+`launch_pdl`); `BCG_PDL=0` in the environment turns it off, to compare.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SWITCHED_ON = os.environ.get("BCG_PDL", "1") != "0"
+TRITON_HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait")
+MIN_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def _device_has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def launches_early(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (and so must wait in their first
+    statement, `start_after_previous`)."""
+    return SWITCHED_ON and TRITON_HAS_PDL and device.type == "cuda" and _device_has_pdl(device)
+
+
+@triton.jit
+def start_after_previous(ON: tl.constexpr):
+    """A short kernel's first statement: wait for the kernel ahead, then let the next one
+    start."""
+    if ON:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(ON: tl.constexpr):
+    """Wait until the kernel ahead has finished and its writes are visible."""
+    if ON:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents(ON: tl.constexpr):
+    """Let the next kernel, if launched with PDL, start now."""
+    if ON:
+        tl.extra.cuda.gdc_launch_dependents()
