@@ -3,17 +3,19 @@
 A decode step at small batch is a chain of short dependent kernels, each paying its launch
 and ramp after the one before has drained. A kernel launched with PDL may start while the
 kernel ahead of it still runs, once every program of that one has called
-`gdc_launch_dependents`; it then waits (`gdc_wait`) for the kernel ahead to finish before it
-touches memory, so the results are the same, and only its launch overlaps the other's tail.
+`gdc_launch_dependents` or exited; it then waits (`gdc_wait`, which returns when the kernel
+ahead has completed and its writes are visible) before it touches memory, so the results are
+the same, and only its launch overlaps the other's tail.
 
 The norms, the rotary kernel and decode attention wait, then let the next kernel start at
 once (their programs are few and short). The skinny projections wait, and let the next start
-only after their weight loop: earlier, the next kernel's programs would hold
-multiprocessors that the projection's own later programs still need (launching every kernel
-early with the release first cost qwen3-8b 3-4% a step on an H100, session 26).
+only after their weight loop. Session 26 had every kernel let the next start before its own
+wait, which cost qwen3-8b 3-4% a step on an H100 (cause not found); this order gains on both
+models measured (README, `bench_decode`). Letting the next start only after the wait also
+keeps at most two kernels of the chain resident at a time.
 
 On by default on GPUs that have it (compute capability 9.0 and up, Triton with
-`launch_pdl`); `BCG_PDL=0` in the environment turns it off, to compare.
+`tl.extra.cuda.gdc_wait`); `BCG_PDL=0` in the environment turns it off, to compare.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import triton
 import triton.language as tl
 
 SWITCHED_ON = os.environ.get("BCG_PDL", "1") != "0"
-TRITON_HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait")
+TRITON_HAS_PDL = getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is not None
 MIN_CAPABILITY = (9, 0)
 
 

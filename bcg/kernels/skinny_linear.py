@@ -163,6 +163,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     gated = activation == "silu_and_mul"
     n = _out_columns(weight, gated)
     sends = peers is not None
+    # Not the send: its reduce spins on the peers, and early launch there is unmeasured.
     pdl = _pdl.launches_early(x.device) and not sends
     # `out` also stands for the pointers a launch never reads (no bias, no peers).
     tensors = (x, weight, out, out if bias is None else bias,
