@@ -26,6 +26,17 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert not pdl.launches_early(DEVICE)
 
 
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("On", True), (" no ", False),
+                                       ("0", False), ("false", False)])
+def test_the_switch_reads_the_usual_spellings(value, on):
+    assert pdl.switch_from_environment(value) is on
+
+
+def test_a_bad_switch_value_is_refused_with_the_accepted_ones():
+    with pytest.raises(ValueError, match="BCG_PDL must be 1 or 0"):
+        pdl.switch_from_environment("2")
+
+
 def chain(x: torch.Tensor, residual: torch.Tensor, weights: list) -> torch.Tensor:
     """Pre-norm MLP blocks: add + norm, gate/up with SiLU-and-mul, down."""
     for norm_weight, gate_up, down in weights:
