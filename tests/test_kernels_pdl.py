@@ -1,20 +1,27 @@
 """Programmatic dependent launch (`bcg.kernels._pdl`): a chain of norms and skinny
 projections, each reading what the one before wrote (and the norms updating the residual in
-place), gives bit for bit the same launched early in a CUDA graph as launched plainly; off
-the GPU, and with BCG_PDL=0, nothing launches early."""
+place), and rotary storing k and v, decode attention and the o projection, give bit for
+bit the same launched early in a CUDA graph as launched plainly, with every output poisoned
+before each replay (a kernel reading its input before the one ahead
+finished would read NaN); the early variants really launch so; off the GPU, and with
+BCG_PDL=0, nothing launches early."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels_support import DEVICE, DTYPE, ON_GPU, import_kernels
+from bcg.kernels._launch import CachedLauncher
+from tests.kernels_support import DEVICE, DTYPE, ON_GPU, import_kernels, make_paged_batch
 
 pdl = import_kernels("_pdl")
+decode = import_kernels("decode_attention")
+rotary = import_kernels("rotary")
 rmsnorm = import_kernels("rmsnorm")
 skinny = import_kernels("skinny_linear")
 
-HIDDEN, INTERMEDIATE, LAYERS, ROWS = (1024, 3072, 6, 3) if ON_GPU else (32, 48, 2, 3)
+# A wide intermediate: the down projection's long K loop is the window a missing wait needs.
+HIDDEN, INTERMEDIATE, LAYERS, ROWS = (1024, 8192, 6, 3) if ON_GPU else (32, 48, 2, 3)
 
 
 def test_nothing_launches_early_off_the_gpu():
@@ -37,16 +44,41 @@ def test_a_bad_switch_value_is_refused_with_the_accepted_ones():
         pdl.switch_from_environment("2")
 
 
-def chain(x: torch.Tensor, residual: torch.Tensor, weights: list) -> torch.Tensor:
-    """Pre-norm MLP blocks: add + norm, gate/up with SiLU-and-mul, down."""
-    for norm_weight, gate_up, down in weights:
-        normed, residual = rmsnorm.add_rms_norm(x, residual, norm_weight, 1e-6)
-        x = skinny.skinny_linear(skinny.skinny_linear(normed, gate_up, activation="silu_and_mul"),
-                                 down)
+def chain(x: torch.Tensor, residual: torch.Tensor, weights: list, outs: list) -> torch.Tensor:
+    """Pre-norm MLP blocks: add + norm, gate/up with SiLU-and-mul, down, into `outs`."""
+    for (norm_weight, gate_up, down), (normed, hidden, x_out) in zip(weights, outs, strict=True):
+        rmsnorm.add_rms_norm(x, residual, norm_weight, 1e-6, out=normed)
+        skinny.skinny_linear(normed, gate_up, activation="silu_and_mul", out=hidden)
+        x = skinny.skinny_linear(hidden, down, out=x_out)
     return x
 
 
-@pytest.mark.skipif(not ON_GPU or not pdl.launches_early(DEVICE),
+def launched_early(launcher) -> bool:
+    """Whether `launcher` compiled a variant launched with PDL that waits."""
+    return any(compiled.metadata.launch_pdl and "griddepcontrol.wait" in compiled.asm["ptx"]
+               for compiled in launcher.compiled.values())
+
+
+class RecordedLaunches:
+    """A stand-in kernel for `CachedLauncher`: records each launch's keyword arguments."""
+
+    def __init__(self) -> None:
+        self.options: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.options.append(kwargs)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_kernel_that_waits_and_only_that_launches_early(waits):
+    """The `PDL` constexpr (the kernel waits for the one ahead) and the launch option come
+    together: an early launch without the wait would race, a wait without it is wasted."""
+    kernel = RecordedLaunches()
+    CachedLauncher(kernel)((1,), (torch.zeros(1),), (), {"PDL": waits})
+    assert kernel.options[0].get("launch_pdl", False) is waits
+
+
+@pytest.mark.skipif(not (ON_GPU and pdl.TRITON_HAS_PDL and pdl._device_has_pdl(DEVICE)),
                     reason="needs a GPU with programmatic dependent launch")
 def test_a_chain_launched_early_in_a_graph_matches_plain_launches(monkeypatch):
     generator = torch.Generator().manual_seed(0)
@@ -57,18 +89,106 @@ def test_a_chain_launched_early_in_a_graph_matches_plain_launches(monkeypatch):
     weights = [(rand(HIDDEN) + 1, rand(2 * INTERMEDIATE, HIDDEN), rand(HIDDEN, INTERMEDIATE))
                for _ in range(LAYERS)]
     x, residual = rand(ROWS, HIDDEN), rand(ROWS, HIDDEN)
+    outs = [tuple(torch.empty(ROWS, width, dtype=DTYPE, device=DEVICE)
+                  for width in (HIDDEN, INTERMEDIATE, HIDDEN)) for _ in range(LAYERS)]
     monkeypatch.setattr(pdl, "SWITCHED_ON", False)
     expected_residual = residual.clone()
-    expected = chain(x, expected_residual, weights)
+    expected = chain(x, expected_residual, weights, outs).clone()
     monkeypatch.setattr(pdl, "SWITCHED_ON", True)
     graph_residual = residual.clone()
-    chain(x, graph_residual, weights)  # compiles the early-launched variants
+    chain(x, graph_residual, weights, outs)  # compiles the early-launched variants
+    assert launched_early(skinny._launch) and launched_early(rmsnorm._launch_rms_norm)
     graph = torch.cuda.CUDAGraph()
     graph_residual.copy_(residual)
     with torch.cuda.graph(graph):
-        out = chain(x, graph_residual, weights)
+        out = chain(x, graph_residual, weights, outs)
     for _ in range(3):
+        for tensor in (t for layer in outs for t in layer):
+            tensor.fill_(float("nan"))
         graph_residual.copy_(residual)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected) and torch.equal(graph_residual, expected_residual)
+
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = (16, 8, 128, 16) if ON_GPU else (4, 2, 16, 4)
+SEQ_LENS = [300, 1000] if ON_GPU else [5, 11]
+
+
+def attention_inputs(generator: torch.Generator) -> dict:
+    """Two decode rows over a paged cache, their new k and v, rotary tables and an o
+    projection: what a decode layer's attention part reads."""
+    batch = make_paged_batch([1] * len(SEQ_LENS), SEQ_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE,
+                             generator)
+    positions = batch.seq_lens.long() - 1
+    rows = torch.arange(len(SEQ_LENS), device=DEVICE)
+    slots = batch.block_tables[rows, positions // PAGE].long() * PAGE + positions % PAGE
+
+    def rand(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.1).to(dtype).to(DEVICE)
+
+    return {"batch": batch, "positions": positions, "slots": slots,
+            "k": rand(len(SEQ_LENS), KV_HEADS, HEAD_DIM),
+            "v": rand(len(SEQ_LENS), KV_HEADS, HEAD_DIM),
+            "cos": rand(max(SEQ_LENS), HEAD_DIM // 2, dtype=torch.float32),
+            "sin": rand(max(SEQ_LENS), HEAD_DIM // 2, dtype=torch.float32),
+            "o_weight": rand(HIDDEN, HEADS * HEAD_DIM),
+            "plan": decode.plan_decode(len(SEQ_LENS), HEADS, KV_HEADS, HEAD_DIM, DEVICE)}
+
+
+def attention_part(state: dict, attention_out: torch.Tensor, o_out: torch.Tensor) -> None:
+    """Rotary storing the new k and v, decode attention over the cache, the o projection."""
+    batch = state["batch"]
+    rotary.apply_rotary(batch.q, state["k"], state["positions"], state["cos"], state["sin"],
+                        kv_store=(state["v"], batch.k_cache, batch.v_cache, state["slots"]))
+    decode.decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.seq_lens,
+                            batch.block_tables, batch.scale, out=attention_out,
+                            plan=state["plan"])
+    skinny.skinny_linear(attention_out.view(len(SEQ_LENS), -1), state["o_weight"], out=o_out)
+
+
+def test_the_attention_part_runs_plainly():
+    """The chain below, plainly (what the CPU can check of it)."""
+    state = attention_inputs(torch.Generator().manual_seed(2))
+    attention_out = torch.empty_like(state["batch"].q)
+    o_out = torch.full((len(SEQ_LENS), HIDDEN), float("nan"), dtype=DTYPE, device=DEVICE)
+    attention_part(state, attention_out, o_out)
+    assert not o_out.isnan().any()
+
+
+@pytest.mark.skipif(not (ON_GPU and pdl.TRITON_HAS_PDL and pdl._device_has_pdl(DEVICE)),
+                    reason="needs a GPU with programmatic dependent launch")
+def test_rotary_attention_and_projection_launched_early_match_plain_launches(monkeypatch):
+    """The rotated q and the stored k and v reach decode attention (whose splits merge in
+    the last to arrive), and its output the o projection, as with plain launches."""
+    state = attention_inputs(torch.Generator().manual_seed(3))
+    batch = state["batch"]
+    pristine = [t.clone() for t in (batch.q, state["k"], batch.k_cache, batch.v_cache)]
+    attention_out = torch.empty_like(batch.q)
+    o_out = torch.empty(len(SEQ_LENS), HIDDEN, dtype=DTYPE, device=DEVICE)
+
+    def reset() -> None:
+        for tensor, saved in zip((batch.q, state["k"], batch.k_cache, batch.v_cache), pristine,
+                                 strict=True):
+            tensor.copy_(saved)
+        attention_out.fill_(float("nan"))
+        o_out.fill_(float("nan"))
+
+    monkeypatch.setattr(pdl, "SWITCHED_ON", False)
+    reset()
+    attention_part(state, attention_out, o_out)
+    expected = [t.clone() for t in (o_out, batch.k_cache, batch.v_cache)]
+    monkeypatch.setattr(pdl, "SWITCHED_ON", True)
+    reset()
+    attention_part(state, attention_out, o_out)  # compiles the early-launched variants
+    assert launched_early(rotary._launch_rotary) and launched_early(decode._launch_split)
+    graph = torch.cuda.CUDAGraph()
+    reset()
+    with torch.cuda.graph(graph):
+        attention_part(state, attention_out, o_out)
+    for _ in range(3):
+        reset()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(got, want) for got, want in
+                   zip((o_out, batch.k_cache, batch.v_cache), expected, strict=True))

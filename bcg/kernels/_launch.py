@@ -133,13 +133,12 @@ class CachedLauncher:
         constexprs: dict,
         num_warps: int = 4,
         num_stages: int = 3,
-        launch_pdl: bool = False,
     ) -> None:
-        """Launch ``kernel[grid](*tensors, *scalars, **constexprs)``; ``launch_pdl`` lets it
-        start before the kernel ahead of it in the stream ends (programmatic dependent launch:
-        the kernel must wait for it with ``gdc_wait`` before reading its outputs)."""
+        """Launch ``kernel[grid](*tensors, *scalars, **constexprs)``; a kernel whose ``PDL``
+        constexpr is set waits for the kernel ahead (``bcg.kernels._pdl``), so it launches
+        early, with programmatic dependent launch."""
         options = {"num_warps": num_warps, "num_stages": num_stages}
-        if launch_pdl:
+        if constexprs.get("PDL"):
             options["launch_pdl"] = True
         if not self.compiles:
             self._launch_through_triton(grid, tensors, scalars, constexprs, options)
@@ -148,8 +147,7 @@ class CachedLauncher:
         misaligned = functools.reduce(operator.or_, addresses) % 16
         device = tensors[0].get_device()
         constants = tuple(constexprs.values())
-        key = (device, tuple([t.dtype for t in tensors]), constants, num_warps, num_stages,
-               launch_pdl)
+        key = (device, tuple([t.dtype for t in tensors]), constants, num_warps, num_stages)
         compiled = None if misaligned else self.compiled.get(key)
         if compiled is None:
             if misaligned:  # Triton specialises on which pointers are 16-byte aligned

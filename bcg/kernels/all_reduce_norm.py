@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import (
     CachedLauncher,
     multiprocessor_count,
@@ -184,7 +185,7 @@ def _run(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, out
          "STRIDE_OUT": out.stride(0), "RANK": peers.rank, "WORLD": peers.world_size,
          "ROW_NUMEL": peers.row_numel, "SLOT_NUMEL": peers.row_numel * peers.max_rows,
          "EPOCH_MASK": EPOCH_MASK, "RELEASE_POLL": peers.release_poll, "ADD_NORM": add_norm,
-         "SENT": sent, "BLOCK": block},
+         "SENT": sent, "BLOCK": block, "PDL": _pdl.launches_early(x.device)},
         num_warps=min(16, max(1, block // 256)),
     )
 
@@ -212,7 +213,9 @@ def _all_reduce_rows_kernel(
     ADD_NORM: tl.constexpr,  # else write the sum
     SENT: tl.constexpr,  # every rank's part is already in the slots (send_tile), x unread
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):

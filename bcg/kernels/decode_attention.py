@@ -158,7 +158,6 @@ def decode_attention(
             f"{plan.head_dim}, not q {tuple(q.shape)}: build a fitting one with plan_decode()"
         )
     config = plan.config
-    pdl = _pdl.launches_early(q.device)
     # KV heads on the fastest grid axis: a row's heads, 256 B apart in each cache slot at
     # head_dim 128, are read at about the same time (1-2% at 128-256 mixed-length rows).
     _launch_split(
@@ -177,11 +176,10 @@ def decode_attention(
             "GROUP_P2": next_power_of_2(group),
             "MAX_SPLITS": MAX_SPLITS,
             "SPLITS_PER_LOAD": max(1, MERGE_LOAD_VALUES // (next_power_of_2(group) * head_dim)),
-            "PDL": pdl,
+            "PDL": _pdl.launches_early(q.device),
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        launch_pdl=pdl,
     )
     return out
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import (
     CachedLauncher,
     DeviceConfigs,
@@ -114,7 +115,7 @@ def _sum_choices(rows: torch.Tensor) -> torch.Tensor:
         (rows, out),
         (),
         {"TOP_K": top_k, "HIDDEN": hidden, "BLOCK_K": next_power_of_2(top_k),
-         "BLOCK": SUM_BLOCK},
+         "BLOCK": SUM_BLOCK, "PDL": _pdl.launches_early(rows.device)},
         num_warps=2,
     )
     return out
@@ -122,7 +123,8 @@ def _sum_choices(rows: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _sum_choices_kernel(rows_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+                        BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl.start_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     k = tl.arange(0, BLOCK_K)
@@ -221,7 +223,8 @@ def _align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
          "GROUPS": next_power_of_2(num_experts + 1),
          # A decode step's few choices in a chunk their size: its [chunk, groups] one-hot
          # sums are the kernel's work.
-         "CHUNK": min(ALIGN_CHUNK, max(16, next_power_of_2(num_choices)))},
+         "CHUNK": min(ALIGN_CHUNK, max(16, next_power_of_2(num_choices))),
+         "PDL": _pdl.launches_early(device)},
         num_warps=8,
         num_stages=1,
     )
@@ -237,10 +240,12 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     GROUPS: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: count each group (expert, then NUM_EXPERTS for skipped choices), lay the
     padded groups out, mark each tile's expert, then place each choice at its group's start
     plus its rank among the group's earlier choices."""
+    _pdl.start_after_previous(PDL)
     groups = tl.arange(0, GROUPS)
     counts = tl.zeros((GROUPS,), dtype=tl.int32)
     for start in range(0, num_choices, CHUNK):
@@ -317,7 +322,7 @@ def _grouped_gemm(
          "ONE_CHOICE_PER_TILE": alignment.one_choice_per_tile,
          "GATED": gated,
          "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-         "GROUP_M": tiles.group_m},
+         "GROUP_M": tiles.group_m, "PDL": _pdl.launches_early(out.device)},
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -343,7 +348,9 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,  # launched early: wait first; the next starts after the loop
 ):
+    _pdl.wait_for_previous(PDL)
     # Grouped launch order: GROUP_M row tiles sweep the columns together.
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -390,6 +397,7 @@ def _grouped_gemm_kernel(
             up_acc = tl.dot(a, up, up_acc)
         input_ptrs += BLOCK_K
         weight_ptrs += BLOCK_K
+    _pdl.launch_dependents(PDL)
     if GATED:
         acc = acc * tl.sigmoid(acc) * up_acc
     if SCALE_BY_WEIGHT:

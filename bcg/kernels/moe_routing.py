@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import CachedLauncher, next_power_of_2, require_last_dim_contiguous
 from bcg.utils import cdiv
 
@@ -42,7 +43,7 @@ def route_top_k(router_logits: torch.Tensor, top_k: int,
         (),
         {"NUM_EXPERTS": num_experts, "TOP_K": top_k, "RENORMALIZE": renormalize,
          "STRIDE_LOGITS": router_logits.stride(0), "BLOCK_E": next_power_of_2(num_experts),
-         "BLOCK_K": next_power_of_2(top_k)},
+         "BLOCK_K": next_power_of_2(top_k), "PDL": _pdl.launches_early(device)},
         # One warp: each top-k pick's two reductions stay in warp shuffles (4 warps sync
         # through shared memory: 3.4 us a layer at one token on the H100).
         num_warps=1,
@@ -102,7 +103,7 @@ def route_hidden_top_k(hidden_states: torch.Tensor, router_weight: torch.Tensor,
          "RENORMALIZE": renormalize, "STRIDE_X": hidden_states.stride(0),
          "STRIDE_W": router_weight.stride(0), "EXPERTS_PER_PROGRAM": EXPERTS_PER_PROGRAM,
          "BLOCK_HIDDEN": ROUTER_BLOCK_HIDDEN, "BLOCK_E": next_power_of_2(num_experts),
-         "BLOCK_K": next_power_of_2(top_k)},
+         "BLOCK_K": next_power_of_2(top_k), "PDL": _pdl.launches_early(device)},
         num_warps=1,  # as the route kernel: the last program's picks in warp shuffles
     )
     return weights, ids
@@ -117,7 +118,9 @@ def _route_kernel(
     STRIDE_LOGITS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * STRIDE_LOGITS + experts, mask=experts < NUM_EXPERTS,
@@ -170,7 +173,9 @@ def _router_route_kernel(
     BLOCK_HIDDEN: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * EXPERTS_PER_PROGRAM + tl.arange(0, EXPERTS_PER_PROGRAM)
     valid = experts < NUM_EXPERTS

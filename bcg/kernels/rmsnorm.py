@@ -95,7 +95,6 @@ def _launch(
     x_tok, x_head = _row_strides(x)
     res_tok, res_head = _row_strides(residual_or_x)
     out_tok, out_head = _row_strides(out)
-    pdl = _pdl.launches_early(x.device)
     _launch_rms_norm(
         (num_rows,),
         (x, residual_or_x, weight, out),
@@ -111,10 +110,9 @@ def _launch(
             "STRIDE_OUT_HEAD": out_head,
             "HAS_RESIDUAL": residual is not None,
             "BLOCK": block,
-            "PDL": pdl,
+            "PDL": _pdl.launches_early(x.device),
         },
         num_warps=num_warps,
-        launch_pdl=pdl,
     )
 
 

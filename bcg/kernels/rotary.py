@@ -80,7 +80,6 @@ def apply_rotary(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    pdl = _pdl.launches_early(q.device)
     _launch_rotary(
         (num_tokens,),
         # Without norms the kernel never reads the weight pointers; cos stands in for them.
@@ -101,9 +100,8 @@ def apply_rotary(
             "STRIDE_V_TOK": v.stride(0),
             "STRIDE_V_HEAD": v.stride(1),
             "STORE_KV": kv_store is not None,
-            "PDL": pdl,
+            "PDL": _pdl.launches_early(q.device),
         },
-        launch_pdl=pdl,
     )
 
 

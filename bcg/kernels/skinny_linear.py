@@ -163,8 +163,6 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     gated = activation == "silu_and_mul"
     n = _out_columns(weight, gated)
     sends = peers is not None
-    # Not the send: its reduce spins on the peers, and early launch there is unmeasured.
-    pdl = _pdl.launches_early(x.device) and not sends
     # `out` also stands for the pointers a launch never reads (no bias, no peers).
     tensors = (x, weight, out, out if bias is None else bias,
                peers.data_ptrs if sends else out, peers.epochs if sends else out)
@@ -182,11 +180,10 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          "WORLD": peers.world_size if sends else 1,
          "ROW_NUMEL": peers.row_numel if sends else 0,
          "SLOT_NUMEL": peers.row_numel * peers.max_rows if sends else 0,
-         "EPOCH_MASK": EPOCH_MASK, "PDL": pdl,
+         "EPOCH_MASK": EPOCH_MASK, "PDL": _pdl.launches_early(x.device),
          "BLOCK_M": MAX_ROWS, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k},
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        launch_pdl=pdl,
     )
 
 

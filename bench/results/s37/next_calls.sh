@@ -5,6 +5,7 @@
 #      and symmetric-memory tests, the dense, hybrid and MoE splits in every graph mode
 #      (about 450 s)
 #   b  decode at tp1 and tp2 of qwen3-8b and qwen3-30b-a3b, main then the diff, twice
+#      (ROUNDS="1" or "2" runs one round, to stay under a call's ten minutes)
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 MAIN=$PWD
@@ -19,7 +20,7 @@ case "$1" in
        tests/test_symm_mem.py
      run multi 420 python -m pytest -q -m gpu -p no:cacheprovider -k \
        "nemotron-h-8b-tp2 or qwen3-8b-tp2 or qwen3_moe or qwen3-30b-a3b" tests/test_multi_gpu.py ;;
-  b) for round in 1 2; do
+  b) for round in ${ROUNDS:-1 2}; do
        for tree in "$MAIN" /tmp/more; do
          name=$(basename $tree)_$round
          (cd $tree && PYTHONPATH=/tmp/site:$tree run tp_$name 200 python bench/bench_tp.py \
