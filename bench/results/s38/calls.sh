@@ -1,0 +1,29 @@
+#!/bin/bash
+# Session 38's device calls: bash bench/results/s38/calls.sh c|d|e  (a and b were s37's
+# next_calls.sh a and b on two H200s; their logs are in callB/)
+#   c  one H100, main with pdl_more merged: the one-GPU test files but the kernels
+#   d  same machine: the kernel files pdl_more touched only through the launch option, then
+#      offline qwen3-8b (decode + breakable, overlapped, 2 repeats) with BCG_PDL=0, then on
+#   e  two H200s: bench_tp and bench_moe decode at tp1 and tp2 (the JSON rows)
+source bench/results/hang_s29/common.sh
+export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
+case "$1" in
+  c) GPU_CHECK_LANES=1 GPU_CHECK_FILES=single OUT=/tmp/out/suite timeout 560 bash \
+       scripts/gpu_check.sh "tests graph_runners_gpu models_hf engine_generate overlap" \
+       > /tmp/out/suite.log 2>&1; echo "suite rc $?"; sed -n '/=== summary/,$p' /tmp/out/suite.log ;;
+  d) run kernels 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_decode_attention.py \
+       tests/test_kernels_small_ops.py tests/test_kernels_extend_attention.py
+     for pdl in 0 1; do
+       BCG_PDL=$pdl run offline_pdl$pdl 200 python bench/bench_offline.py --models qwen3-8b \
+         --modes "decode + breakable" --overlap on --repeats 2
+       cp bench/results/bench_offline_qwen3-8b.json $OUT/offline_pdl$pdl.json
+       grep -E "decode \+ breakable" $OUT/offline_pdl$pdl.log | tail -2
+     done ;;
+  e) for bench in bench_tp bench_moe; do
+       run $bench 200 python bench/$bench.py --configs tp1 tp2 --parts decode
+       cp bench/results/$bench.json $OUT/
+       grep -E "^ +tp[0-9] +[0-9]+ +[0-9.]+ |batch 1" $OUT/$bench.log
+     done ;;
+  *) echo "usage: $0 c|d|e"; exit 2 ;;
+esac
+tar czf $OUT_ALL/logs.tgz -C $OUT .
