@@ -5,6 +5,9 @@
 #   d  same machine: the kernel files pdl_more touched only through the launch option, then
 #      offline qwen3-8b (decode + breakable, overlapped, 2 repeats) with BCG_PDL=0, then on
 #   e  two H200s: bench_tp and bench_moe decode at tp1 and tp2 (the JSON rows)
+#   f  one H100, mamba_pdl.diff applied in /tmp/mamba (the Mamba2 decode kernels launched
+#      early): the kernel tests it touches, NemotronH on the GPU, then bench_hybrid's tp1
+#      decode rows, main then the diff, twice
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -24,6 +27,22 @@ case "$1" in
        cp bench/results/$bench.json $OUT/
        grep -E "^ +tp[0-9] +[0-9]+ +[0-9.]+ |batch 1" $OUT/$bench.log
      done ;;
-  *) echo "usage: $0 c|d|e"; exit 2 ;;
+  f) MAIN=$PWD && rm -rf /tmp/mamba && cp -r "$MAIN" /tmp/mamba &&
+       (cd /tmp/mamba && git apply "$MAIN/bench/results/s38/mamba_pdl.diff") || exit 1
+     (cd /tmp/mamba && export PYTHONPATH=/tmp/site:/tmp/mamba &&
+       run mamba_kernels 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_pdl.py \
+         tests/test_kernels_mamba.py tests/test_kernels_small_ops.py &&
+       run mamba_models 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_nemotron_h.py \
+         tests/test_graph_runners_gpu.py -k "nemotron or hybrid or mamba")
+     for round in 1 2; do
+       for tree in "$MAIN" /tmp/mamba; do
+         name=hybrid_$(basename $tree)_$round
+         (cd $tree && PYTHONPATH=/tmp/site:$tree run $name 150 python bench/bench_hybrid.py \
+           --configs tp1 --parts decode)
+         grep -E "^ +tp1 +[0-9]+ +[0-9.]+ " $OUT/$name.log | sed "s/^/$name /"
+       done
+     done
+     cp /tmp/mamba/bench/results/bench_hybrid.json $OUT/ ;;
+  *) echo "usage: $0 c|d|e|f"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
