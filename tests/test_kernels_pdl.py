@@ -1,10 +1,11 @@
 """Programmatic dependent launch (`bcg.kernels._pdl`): a chain of norms and skinny
 projections, each reading what the one before wrote (and the norms updating the residual in
-place), and rotary storing k and v, decode attention and the o projection, give bit for
-bit the same launched early in a CUDA graph as launched plainly, with every output poisoned
-before each replay (a kernel reading its input before the one ahead
-finished would read NaN); the early variants really launch so; off the GPU, and with
-BCG_PDL=0, nothing launches early."""
+place); rotary storing k and v, decode attention and the o projection; and a Mamba2 decode
+step (in projection, conv and state updates in place, gated norm, out projection) give bit
+for bit the same launched early in a CUDA graph as launched plainly, with every output
+poisoned before each replay (a kernel reading its input before the one ahead finished would
+read NaN); the early variants really launch so; off the GPU, and with BCG_PDL=0, nothing
+launches early."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from tests.kernels_support import DEVICE, DTYPE, ON_GPU, import_kernels, make_pa
 
 pdl = import_kernels("_pdl")
 decode = import_kernels("decode_attention")
+mamba_conv = import_kernels("mamba_conv")
+mamba_scan = import_kernels("mamba_scan")
 rotary = import_kernels("rotary")
 rmsnorm = import_kernels("rmsnorm")
 skinny = import_kernels("skinny_linear")
@@ -78,8 +81,12 @@ def test_a_kernel_that_waits_and_only_that_launches_early(waits):
     assert kernel.options[0].get("launch_pdl", False) is waits
 
 
-@pytest.mark.skipif(not (ON_GPU and pdl.TRITON_HAS_PDL and pdl._device_has_pdl(DEVICE)),
-                    reason="needs a GPU with programmatic dependent launch")
+needs_pdl = pytest.mark.skipif(
+    not (ON_GPU and pdl.TRITON_HAS_PDL and pdl._device_has_pdl(DEVICE)),
+    reason="needs a GPU with programmatic dependent launch")
+
+
+@needs_pdl
 def test_a_chain_launched_early_in_a_graph_matches_plain_launches(monkeypatch):
     generator = torch.Generator().manual_seed(0)
 
@@ -156,8 +163,7 @@ def test_the_attention_part_runs_plainly():
     assert not o_out.isnan().any()
 
 
-@pytest.mark.skipif(not (ON_GPU and pdl.TRITON_HAS_PDL and pdl._device_has_pdl(DEVICE)),
-                    reason="needs a GPU with programmatic dependent launch")
+@needs_pdl
 def test_rotary_attention_and_projection_launched_early_match_plain_launches(monkeypatch):
     """The rotated q and the stored k and v reach decode attention (whose splits merge in
     the last to arrive), and its output the o projection, as with plain launches."""
@@ -192,3 +198,107 @@ def test_rotary_attention_and_projection_launched_early_match_plain_launches(mon
         torch.cuda.synchronize()
         assert all(torch.equal(got, want) for got, want in
                    zip((o_out, batch.k_cache, batch.v_cache), expected, strict=True))
+
+
+# NemotronH-like head shapes on the GPU; rows 0 and 2 continue from their slots' states,
+# row 1 is a one-token prompt (its slot's state unread).
+MAMBA = (dict(heads=32, head_dim=64, groups=2, state_size=128, taps=4) if ON_GPU
+         else dict(heads=4, head_dim=8, groups=2, state_size=16, taps=4))
+MAMBA_SEQ_LENS, MAMBA_SLOTS, DT_LIMIT = [9, 1, 4], [2, 0, 3], (0.0, float("inf"))
+
+
+def mamba_inputs(generator: torch.Generator) -> dict:
+    """One decode token per row, the mixer's weights and four state slots."""
+    heads, head_dim, groups, state_size, taps = MAMBA.values()
+    inner = heads * head_dim
+    conv_dim = inner + 2 * groups * state_size
+
+    def rand(*shape: int, scale: float = 0.1, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
+
+    def int_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    return {"hidden": rand(ROWS, HIDDEN, scale=1.0),
+            "in_weight": rand(inner + conv_dim + heads, HIDDEN),
+            "conv_weight": rand(conv_dim, taps, scale=0.5), "conv_bias": rand(conv_dim),
+            "A": -rand(heads, scale=1.0, dtype=torch.float32).abs() - 0.5,
+            "D": rand(heads, scale=1.0, dtype=torch.float32),
+            "dt_bias": rand(heads, scale=0.5, dtype=torch.float32),
+            "conv_state": rand(4, taps - 1, conv_dim, scale=1.0),
+            "ssm_state": rand(4, heads, head_dim, state_size, scale=1.0, dtype=torch.float32),
+            "seq_lens": int_tensor(MAMBA_SEQ_LENS), "slots": int_tensor(MAMBA_SLOTS),
+            "norm_weight": rand(inner) + 1, "out_weight": rand(HIDDEN, inner)}
+
+
+def mamba_part(state: dict, outs: dict) -> None:
+    """The mixer's decode step: in projection (z | x B C | dt), the conv update, the
+    selective state update, the gated norm and the out projection."""
+    heads, head_dim, groups, state_size, _ = MAMBA.values()
+    inner, groups_size = heads * head_dim, groups * state_size
+    skinny.skinny_linear(state["hidden"], state["in_weight"], out=outs["projected"])
+    z, xbc, dt = outs["projected"].split([inner, inner + 2 * groups_size, heads], dim=-1)
+    mamba_conv.causal_conv1d_update(xbc, state["conv_weight"], state["conv_bias"],
+                                    state["conv_state"], state["seq_lens"], state["slots"],
+                                    outs["activated"])
+    x, B, C = outs["activated"].split([inner, groups_size, groups_size], dim=-1)
+    mamba_scan.selective_state_update(
+        x.view(ROWS, heads, head_dim), dt, state["A"], B.view(ROWS, groups, state_size),
+        C.view(ROWS, groups, state_size), state["D"], state["dt_bias"], DT_LIMIT,
+        state["ssm_state"], state["seq_lens"], state["slots"], outs["y"].view(ROWS, heads, -1))
+    rmsnorm.gated_rms_norm(outs["y"], z, state["norm_weight"], inner // groups, 1e-5,
+                           out=outs["normed"])
+    skinny.skinny_linear(outs["normed"], state["out_weight"], out=outs["out"])
+
+
+def mamba_outputs(state: dict) -> dict:
+    widths = {"projected": state["in_weight"].shape[0], "activated": state["conv_weight"].shape[0],
+              "y": state["norm_weight"].shape[0], "normed": state["norm_weight"].shape[0],
+              "out": HIDDEN}
+    return {name: torch.full((ROWS, width), float("nan"), dtype=DTYPE, device=DEVICE)
+            for name, width in widths.items()}
+
+
+def test_the_mamba_part_runs_plainly():
+    """The Mamba2 chain below, plainly (what the CPU can check of it)."""
+    state = mamba_inputs(torch.Generator().manual_seed(4))
+    outs = mamba_outputs(state)
+    mamba_part(state, outs)
+    assert not outs["out"].isnan().any()
+
+
+@needs_pdl
+def test_a_mamba_step_launched_early_matches_plain_launches(monkeypatch):
+    """Each Mamba2 kernel reads what the one before wrote (the conv and state updates also
+    their slots, in place) as with plain launches."""
+    state = mamba_inputs(torch.Generator().manual_seed(5))
+    pristine = {name: state[name].clone() for name in ("conv_state", "ssm_state")}
+    outs = mamba_outputs(state)
+
+    def reset() -> None:
+        for name, saved in pristine.items():
+            state[name].copy_(saved)
+        for tensor in outs.values():
+            tensor.fill_(float("nan"))
+
+    def results() -> list[torch.Tensor]:
+        return [outs["out"], state["conv_state"], state["ssm_state"]]
+
+    monkeypatch.setattr(pdl, "SWITCHED_ON", False)
+    reset()
+    mamba_part(state, outs)
+    expected = [t.clone() for t in results()]
+    monkeypatch.setattr(pdl, "SWITCHED_ON", True)
+    reset()
+    mamba_part(state, outs)  # compiles the early-launched variants
+    assert all(launched_early(launcher) for launcher in (
+        mamba_conv._launch_update, mamba_scan._launch_update, rmsnorm._launch_gated_rms_norm))
+    graph = torch.cuda.CUDAGraph()
+    reset()
+    with torch.cuda.graph(graph):
+        mamba_part(state, outs)
+    for _ in range(3):
+        reset()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(got, want) for got, want in zip(results(), expected, strict=True))

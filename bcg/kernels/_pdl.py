@@ -7,9 +7,10 @@ kernel ahead of it still runs, once every program of that one has called
 ahead has completed and its writes are visible) before it touches memory, so the results are
 the same, and only its launch overlaps the other's tail.
 
-The norms, the rotary kernel, decode attention, the custom all-reduce (with its add and
-norm) and the MoE routing, alignment and top-k sum wait, then let the next kernel start at
-once (their programs are few and short). The skinny projections (a tensor-parallel one's send
+The norms (the Mamba2 gated norm too), the rotary kernel, decode attention, the Mamba2 conv
+and state updates, the custom all-reduce (with its add and norm) and the MoE routing,
+alignment and top-k sum wait, then let the next kernel start at once (their programs are few
+and short). The skinny projections (a tensor-parallel one's send
 to its peers too) and the MoE grouped GEMMs wait, and let the next start only after their
 weight loop. Session 26 had every kernel let the next start before its own
 wait, which cost qwen3-8b 3-4% a step on an H100 (cause not found); this order gains on both

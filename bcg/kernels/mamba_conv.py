@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import CachedLauncher, DeviceConfigs, next_power_of_2
 from bcg.utils import cdiv
 
@@ -88,7 +89,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         (),
         {"CHANNELS": channels, "TAPS": taps, "STATE_ROWS": next_power_of_2(max(taps - 1, 1)),
          "HAS_BIAS": bias is not None, "STRIDE_X": x.stride(0), "STRIDE_OUT": out.stride(0),
-         "BLOCK_C": config.block_c},
+         "BLOCK_C": config.block_c, "PDL": _pdl.launches_early(x.device)},
     )
 
 
@@ -151,8 +152,9 @@ def _update_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, seq_lens_ptr, slots_ptr, out_ptr,
     CHANNELS: tl.constexpr, TAPS: tl.constexpr, STATE_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_OUT: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
     has_slot = slot >= 0

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.kernels import _pdl
 from bcg.kernels._launch import CachedLauncher, DeviceConfigs, next_power_of_2
 from bcg.utils import cdiv
 
@@ -109,7 +110,7 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
         {"HEADS": heads, "HEAD_DIM": head_dim, "HEADS_PER_GROUP": heads // groups,
          "STATE": state_size, "STRIDE_X": x.stride(0), "STRIDE_DT": dt.stride(0),
          "STRIDE_B": B.stride(0), "STRIDE_OUT": out.stride(0), "BLOCK_P": block_p,
-         "BLOCK_N": next_power_of_2(state_size)},
+         "BLOCK_N": next_power_of_2(state_size), "PDL": _pdl.launches_early(x.device)},
     )
 
 
@@ -200,8 +201,9 @@ def _update_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     STATE: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_DT: tl.constexpr,
     STRIDE_B: tl.constexpr, STRIDE_OUT: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     group = head // HEADS_PER_GROUP

@@ -200,7 +200,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
         (x, gate, weight, out),
         (float(eps),),
         {"GROUP": group_size, "STRIDE_X": x.stride(0), "STRIDE_GATE": gate.stride(0),
-         "STRIDE_OUT": out.stride(0), "BLOCK": block},
+         "STRIDE_OUT": out.stride(0), "BLOCK": block, "PDL": _pdl.launches_early(x.device)},
         num_warps=min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD))),
     )
     return out
@@ -214,7 +214,9 @@ def _gated_rms_norm_kernel(
     STRIDE_GATE: tl.constexpr,
     STRIDE_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.start_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < GROUP
