@@ -7,7 +7,9 @@
 #   e  two H200s: bench_tp and bench_moe decode at tp1 and tp2 (the JSON rows)
 #   f  one H100, mamba_pdl.diff applied in /tmp/mamba (the Mamba2 decode kernels launched
 #      early): the kernel tests it touches, NemotronH on the GPU, then bench_hybrid's tp1
-#      decode rows, main then the diff, twice
+#      decode rows, main then the diff, twice (the diff, merged since, is no longer here)
+#   g  one H100: offline qwen3-8b (decode + breakable, overlapped) with decode attention's
+#      large-batch launch changed: twice the splits, 8 warps, 3 stages, beside main
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 case "$1" in
@@ -43,6 +45,23 @@ case "$1" in
        done
      done
      cp /tmp/mamba/bench/results/bench_hybrid.json $OUT/ ;;
-  *) echo "usage: $0 c|d|e|f"; exit 2 ;;
+  g) MAIN=$PWD
+     declare -A EDITS=(
+       [split2]='s/target_programs = PROGRAMS_PER_SM \*/target_programs = 2 * PROGRAMS_PER_SM */'
+       [warps8]='s/gpu=DecodeConfig(block_n=128)/gpu=DecodeConfig(block_n=128, num_warps=8)/'
+       [stages3]='s/gpu=DecodeConfig(block_n=128)/gpu=DecodeConfig(block_n=128, num_stages=3)/')
+     for variant in main split2 warps8 stages3; do
+       tree=$MAIN
+       if [ $variant != main ]; then
+         tree=/tmp/$variant && rm -rf $tree && cp -r "$MAIN" $tree &&
+           sed -i "${EDITS[$variant]}" $tree/bcg/kernels/decode_attention.py
+         (cd $tree && git diff --stat)
+       fi
+       (cd $tree && PYTHONPATH=/tmp/site:$tree run offline_$variant 150 python \
+         bench/bench_offline.py --models qwen3-8b --modes "decode + breakable" --overlap on \
+         --repeats 2)
+       grep -E "^qwen3-8b +decode" $OUT/offline_$variant.log | tail -1 | sed "s/^/$variant /"
+     done ;;
+  *) echo "usage: $0 c|d|e|f|g"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
