@@ -73,7 +73,7 @@ class RecordedLaunches:
 
 
 @pytest.mark.parametrize("waits", [False, True])
-def test_a_kernel_that_waits_and_only_that_launches_early(waits):
+def test_the_launch_option_follows_the_pdl_constexpr(waits):
     """The `PDL` constexpr (the kernel waits for the one ahead) and the launch option come
     together: an early launch without the wait would race, a wait without it is wasted."""
     kernel = RecordedLaunches()

@@ -14,6 +14,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from bcg.graph import CaptureNeedsWarmUp
+from bcg.kernels import _pdl
 
 # Programs per multiprocessor that keep a memory-bound kernel's loads in flight.
 PROGRAMS_PER_SM = 4
@@ -106,7 +107,9 @@ class CachedLauncher:
     the constexprs, the launch options, the device, the tensor dtypes and pointer alignment;
     the fast path serves the usual case of all pointers 16-byte aligned from a cache keyed by
     the rest, and hands the launcher raw addresses (so it skips its per-pointer driver
-    query). A key's first call, misaligned pointers and every call under the interpreter go
+    query). A kernel whose ``PDL`` constexpr (``bcg.kernels._pdl.CONSTEXPR``) is set launches
+    with programmatic dependent launch. A key's first call, misaligned pointers and every
+    call under the interpreter go
     through ``JITFunction.run`` (counted in ``slow_launches``); launch hooks (profilers such
     as proton) see only those. A key's first call during a CUDA graph capture, which would
     compile or load a kernel, raises ``CaptureNeedsWarmUp`` instead.
@@ -138,7 +141,7 @@ class CachedLauncher:
         constexpr is set waits for the kernel ahead (``bcg.kernels._pdl``), so it launches
         early, with programmatic dependent launch."""
         options = {"num_warps": num_warps, "num_stages": num_stages}
-        if constexprs.get("PDL"):
+        if constexprs.get(_pdl.CONSTEXPR):
             options["launch_pdl"] = True
         if not self.compiles:
             self._launch_through_triton(grid, tensors, scalars, constexprs, options)

@@ -7,12 +7,15 @@ kernel ahead of it still runs, once every program of that one has called
 ahead has completed and its writes are visible) before it touches memory, so the results are
 the same, and only its launch overlaps the other's tail.
 
-The norms (the Mamba2 gated norm too), the rotary kernel, decode attention, the Mamba2 conv
-and state updates, the custom all-reduce (with its add and norm) and the MoE routing,
-alignment and top-k sum wait, then let the next kernel start at once (their programs are few
-and short). The skinny projections (a tensor-parallel one's send
-to its peers too) and the MoE grouped GEMMs wait, and let the next start only after their
-weight loop. Session 26 had every kernel let the next start before its own
+Every kernel launched early waits first, before any memory access: the completion of each
+then implies its predecessor's along the whole chain, which the custom all-reduce's slot
+reuse relies on (`bcg.kernels.all_reduce_norm`). The short kernels (the norms, the Mamba2
+gated norm too, the rotary kernel, decode attention, the Mamba2 conv and state updates, the
+MoE routing, alignment and top-k sum) and the custom all-reduce (with its add and norm) then
+let the next kernel start at once; the all-reduce's dependents sit resident while it waits
+for its peers, harmless as all its programs are already running. The skinny projections (a
+tensor-parallel one's send to its peers too) and the MoE grouped GEMMs let the next start
+only after their weight loop. Session 26 had every kernel let the next start before its own
 wait, which cost qwen3-8b 3-4% a step on an H100 (cause not found); this order gains on both
 models measured (README, `bench_decode`). Letting the next start only after the wait also
 keeps at most two kernels of the chain resident at a time.
@@ -30,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+# The constexpr a kernel takes to launch early: `CachedLauncher` adds the launch option
+# whenever it is set, so the wait and the early launch always come together.
+CONSTEXPR = "PDL"
 SWITCH_VALUES = {"1": True, "on": True, "true": True, "yes": True,
                  "0": False, "off": False, "false": False, "no": False}
 

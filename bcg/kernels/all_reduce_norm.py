@@ -26,9 +26,14 @@ rank as all ranks make the same calls), and a row has the same place in a slot w
 width of the call: a peer writes a slot again two calls of that row later, once it has this
 rank's part of the call between, which this rank sends in a later launch than the one that
 emptied the slot. That order comes from the stream (the launches of a rank run one after
-another), not from fences: no launch may overlap the one before it on the same `PeerRows`
-(no programmatic dependent launch, no second stream). So no reset is needed between calls
-and a CUDA graph can replay the launch.
+another), not from fences. A launch may start early (programmatic dependent launch,
+`bcg.kernels._pdl`) only because every kernel launched so waits for the one ahead before
+its first memory access: each kernel's completion then implies its predecessor's, and the
+order holds along the whole chain. A kernel launched early without that wait, or a second
+stream, would let a peer refill a slot not yet emptied (wrong sums or a hang). So no reset
+is needed between calls and a CUDA graph can replay the launch. The reduce's programs are
+all resident before any of them lets the next kernel start, so that kernel's early
+programs, waiting on its multiprocessors, cannot keep a reduce program from running.
 
 A wait has no deadline (one on the GPU's timer was tried and did not work: README, Tensor
 parallelism); instead the host can end a rank's waits for good (`release_waits`, when a

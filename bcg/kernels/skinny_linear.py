@@ -208,7 +208,7 @@ def _skinny_linear_kernel(
     ROW_NUMEL: tl.constexpr,
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
-    PDL: tl.constexpr,  # launched early: wait for x; the next starts after the loop
+    PDL: tl.constexpr,  # launched early: wait for the kernel ahead; the next starts after the loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
