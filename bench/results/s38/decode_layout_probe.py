@@ -7,18 +7,23 @@ head_dim] (NHD): a (row, KV head) program reads 256-byte pieces 2 KiB apart. Sto
 strides) reads each page's head as one contiguous run. This probe times both layouts at
 qwen3-8b's heads (32 q / 8 KV, head_dim 128, bf16), offline-like batches (160 rows, lengths
 uniform in [100, 2048]; and 160 rows of 1024), pages of 16 and 64 tokens, blocks scattered,
-in a CUDA graph; prints GB/s of KV read beside a plain read of 2 GiB (`amax`), and checks the
-layouts give the same output.
+in a CUDA graph; prints GB/s of KV read beside the HBM bandwidth a 2 GiB copy measures, and
+checks the layouts give the same output.
 Run: python bench/results/s38/decode_layout_probe.py   (one GPU, about a minute)
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import torch
 
 from bcg.kernels.decode_attention import decode_attention, plan_decode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from common import hbm_bandwidth_gbs, time_per_call_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROWS = 32, 8, 128, 160
 CALLS, REPLAYS = 10, 20
@@ -45,32 +50,20 @@ def caches(seq_lens: list[int], page: int, head_major: bool, generator: torch.Ge
 
 
 def time_ms(fn) -> float:
+    """GPU time of one call of `fn`, from replays of a graph of `CALLS` calls."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(CALLS):
             fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (CALLS * REPLAYS)
-
-
-def read_roofline_gbs() -> float:
-    x = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
-    ms = time_ms(lambda: torch.amax(x))
-    return x.numel() * 2 / ms / 1e6
+    return time_per_call_ms(graph.replay, iters=REPLAYS) / CALLS
 
 
 def main() -> None:
     generator = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}: plain read (amax of 2 GiB) "
-          f"{read_roofline_gbs():.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}: a 2 GiB copy moves {hbm_bandwidth_gbs():.0f} GB/s "
+          f"(read + write)")
     print(f"{'lengths':>8} {'page':>5} {'layout':>6} {'ms':>8} {'GB/s':>7}  same output")
     for kind in ("mixed", "uniform"):
         seq_lens = lengths(kind, generator)
