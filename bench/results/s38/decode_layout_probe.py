@@ -7,8 +7,10 @@ head_dim] (NHD): a (row, KV head) program reads 256-byte pieces 2 KiB apart. Sto
 strides) reads each page's head as one contiguous run. This probe times both layouts at
 qwen3-8b's heads (32 q / 8 KV, head_dim 128, bf16), offline-like batches (160 rows, lengths
 uniform in [100, 2048]; and 160 rows of 1024), pages of 16 and 64 tokens, blocks scattered,
-in a CUDA graph; prints GB/s of KV read beside the HBM bandwidth a 2 GiB copy measures, and
-checks the layouts give the same output.
+in a CUDA graph, each at the split count the engine picks for 160 rows and at 2, 4 and 8
+(each row cut into up to that many chunks of whole 128-token tiles: the load balance across
+a mixed batch, not the layout, may be what costs); prints GB/s of KV read beside the HBM
+bandwidth a 2 GiB copy measures, and checks the layouts give the same output.
 Run: python bench/results/s38/decode_layout_probe.py   (one GPU, about a minute)
 """
 
@@ -30,8 +32,9 @@ CALLS, REPLAYS = 10, 20
 
 
 def lengths(kind: str, generator: torch.Generator) -> list[int]:
-    if kind == "mixed":
-        return torch.randint(100, 2049, (ROWS,), generator=generator).tolist()
+    if kind == "mixed":  # longest first, as the scheduler orders a step's decodes
+        return sorted(torch.randint(100, 2049, (ROWS,), generator=generator).tolist(),
+                      reverse=True)
     return [1024] * ROWS
 
 
@@ -64,27 +67,31 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: a 2 GiB copy moves {hbm_bandwidth_gbs():.0f} GB/s "
           f"(read + write)")
-    print(f"{'lengths':>8} {'page':>5} {'layout':>6} {'ms':>8} {'GB/s':>7}  same output")
+    default_splits = plan_decode(ROWS, HEADS, KV_HEADS, HEAD_DIM, "cuda").num_splits
+    print(f"{'lengths':>8} {'page':>5} {'layout':>6} {'splits':>6} {'ms':>8} {'GB/s':>7}  "
+          f"same as token-major")
     for kind in ("mixed", "uniform"):
         seq_lens = lengths(kind, generator)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         q = torch.randn(ROWS, HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16).cuda()
         kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
-        plan = plan_decode(ROWS, HEADS, KV_HEADS, HEAD_DIM, "cuda")
+        outputs: dict[tuple[bool, int], torch.Tensor] = {}
         for page in (16, 64):
-            outputs = {}
             for head_major in (False, True):
-                seed = torch.Generator().manual_seed(page)
-                k, v, tables = caches(seq_lens, page, head_major, seed)
-                out = torch.empty_like(q)
-                ms = time_ms(functools.partial(decode_attention, q, k, v, lens, tables,
-                                               HEAD_DIM**-0.5, out=out, plan=plan))
-                outputs[head_major] = out.clone()
+                k, v, tables = caches(seq_lens, page, head_major,
+                                      torch.Generator().manual_seed(page))
                 layout = "HND" if head_major else "NHD"
-                same = "" if not head_major else \
-                    str(torch.equal(outputs[False], outputs[True]))
-                print(f"{kind:>8} {page:>5} {layout:>6} {ms:8.4f} {kv_bytes / ms / 1e6:7.0f}  "
-                      f"{same}")
+                for splits in sorted({default_splits, 2, 4, 8}):
+                    plan = plan_decode(ROWS, HEADS, KV_HEADS, HEAD_DIM, "cuda",
+                                       num_splits=splits)
+                    out = torch.empty_like(q)
+                    ms = time_ms(functools.partial(decode_attention, q, k, v, lens, tables,
+                                                   HEAD_DIM**-0.5, out=out, plan=plan))
+                    outputs[(head_major, splits)] = out
+                    same = "" if not head_major else \
+                        str(torch.equal(out, outputs[(False, splits)]))
+                    print(f"{kind:>8} {page:>5} {layout:>6} {splits:>6} {ms:8.4f} "
+                          f"{kv_bytes / ms / 1e6:7.0f}  {same}")
                 del k, v
 
 

@@ -6,8 +6,8 @@
 #      touches and the one-GPU engine tests; pdl_tests.diff applied in /tmp/pdlt (the PTX
 #      check that every early kernel waits before touching memory, the MoE layer launched
 #      early): its test file
-#   b  same machine: offline qwen3-8b and qwen3-0.6b (decode + breakable, overlapped),
-#      main then the diff, twice
+#   b  same machine: offline qwen3-8b (decode + breakable, overlapped), main, the diff and
+#      decode attention cutting rows into at least 4 splits (split4), twice (about 450 s)
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 MAIN=$PWD
@@ -26,12 +26,16 @@ case "$1" in
        tests/test_kernels_pdl.py tests/test_attention_ref.py
      run engine 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_generate.py \
        tests/test_overlap.py tests/test_models_hf.py tests/test_graph_runners_gpu.py ;;
-  b) for round in 1 2; do
-       for tree in "$MAIN" /tmp/hnd; do
+  b) rm -rf /tmp/split4 && cp -r "$MAIN" /tmp/split4 && sed -i \
+       's/num_splits = min(MAX_SPLITS, max(1, num_splits))/num_splits = min(MAX_SPLITS, max(4, num_splits))/' \
+       /tmp/split4/bcg/kernels/decode_attention.py
+     grep -c "max(4, num_splits)" /tmp/split4/bcg/kernels/decode_attention.py
+     for round in 1 2; do
+       for tree in "$MAIN" /tmp/hnd /tmp/split4; do
          name=offline_$(basename $tree)_$round
-         (cd $tree && PYTHONPATH=/tmp/site:$tree run $name 200 python bench/bench_offline.py \
-           --models qwen3-8b qwen3-0.6b --modes "decode + breakable" --overlap on --repeats 2)
-         grep -E "^qwen3-[0-9.]+b +decode" $OUT/$name.log | sed "s/^/$name /"
+         (cd $tree && PYTHONPATH=/tmp/site:$tree run $name 150 python bench/bench_offline.py \
+           --models qwen3-8b --modes "decode + breakable" --overlap on --repeats 2)
+         grep -E "^qwen3-8b +decode" $OUT/$name.log | tail -1 | sed "s/^/$name /"
        done
      done ;;
   *) echo "usage: $0 a|b"; exit 2 ;;
