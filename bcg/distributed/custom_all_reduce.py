@@ -104,11 +104,10 @@ class PeerAllReduce:
         weight.T` (`[rows, K]` by `[N, K]`, rows at most the skinny kernel's) with the
         all-reduce, add and norm after it: as `takes_add_rms_norm` for its output. Every rank
         answers alike. The caller checks that the skinny kernel suits the weight."""
-        self._check_open()
-        return (x.dim() == 2 and x.shape[0] <= PROJECTION_MAX_ROWS and x.is_contiguous()
+        return (self.takes_add_rms_norm(residual, residual)
+                and x.dim() == 2 and x.shape[0] <= PROJECTION_MAX_ROWS and x.is_contiguous()
                 and x.dtype == weight.dtype == residual.dtype
-                and residual.shape == (x.shape[0], weight.shape[0])
-                and self.takes_add_rms_norm(residual, residual))
+                and residual.shape == (x.shape[0], weight.shape[0]))
 
     def projection_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
                                 residual: torch.Tensor, norm_weight: torch.Tensor,
