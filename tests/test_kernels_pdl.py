@@ -9,6 +9,11 @@ launches early."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import re
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -22,8 +27,12 @@ mamba_scan = import_kernels("mamba_scan")
 rotary = import_kernels("rotary")
 rmsnorm = import_kernels("rmsnorm")
 skinny = import_kernels("skinny_linear")
+fused_moe = import_kernels("fused_moe")
+moe_routing = import_kernels("moe_routing")
 
-# A wide intermediate: the down projection's long K loop is the window a missing wait needs.
+# A wide intermediate: the kernels after a projection may start once its weight loop ends,
+# so a missing wait in them would race with its epilogue; the PTX check below catches one
+# whatever the timing.
 HIDDEN, INTERMEDIATE, LAYERS, ROWS = (1024, 8192, 6, 3) if ON_GPU else (32, 48, 2, 3)
 
 
@@ -56,10 +65,35 @@ def chain(x: torch.Tensor, residual: torch.Tensor, weights: list, outs: list) ->
     return x
 
 
+# A load, store or atomic on memory other kernels can see (not parameters, shared or local),
+# or an asynchronous copy from it.
+MEMORY_ACCESS = re.compile(r"\b(?:ld|st|atom|red)\.(?!param|shared|local)"
+                           r"|\bcp\.async\.(?:ca|cg|bulk)")
+
+
+def waits_before_touching_memory(ptx: str) -> bool:
+    """Whether the kernel's first memory access comes after its `griddepcontrol.wait`."""
+    wait = ptx.find("griddepcontrol.wait")
+    return wait >= 0 and MEMORY_ACCESS.search(ptx[:wait]) is None
+
+
 def launched_early(launcher) -> bool:
-    """Whether `launcher` compiled a variant launched with PDL that waits."""
-    return any(compiled.metadata.launch_pdl and "griddepcontrol.wait" in compiled.asm["ptx"]
-               for compiled in launcher.compiled.values())
+    """Whether `launcher` compiled a variant launched with PDL, and every such variant
+    waits before its first memory access."""
+    early = [compiled for compiled in launcher.compiled.values() if compiled.metadata.launch_pdl]
+    return bool(early) and all(waits_before_touching_memory(c.asm["ptx"]) for c in early)
+
+
+def test_the_ptx_check_finds_an_access_before_the_wait():
+    assert waits_before_touching_memory("mov.u32 %r1, 0;\nld.param.u64 %rd1, [p];\n"
+                                        "griddepcontrol.wait;\nld.global.b32 %r2, [%rd1];")
+    assert not waits_before_touching_memory("ld.global.nc.b32 %r2, [%rd1];\n"
+                                            "griddepcontrol.wait;")
+    assert not waits_before_touching_memory("@%p1 atom.global.add.u32 %r1, [%rd2], 1;\n"
+                                            "griddepcontrol.wait;")
+    assert not waits_before_touching_memory("cp.async.cg.shared.global [%r1], [%rd3], 16;\n"
+                                            "griddepcontrol.wait;")
+    assert not waits_before_touching_memory("ld.param.u64 %rd1, [p];")
 
 
 class RecordedLaunches:
@@ -86,6 +120,39 @@ needs_pdl = pytest.mark.skipif(
     reason="needs a GPU with programmatic dependent launch")
 
 
+def assert_early_launches_match_plain(monkeypatch, run: Callable[[], list[torch.Tensor]],
+                                      resets: list[Callable[[], None]], launchers: list) -> None:
+    """`run()` (the kernels under test; returns the tensors to compare) launched plainly after
+    each of `resets` (each restores one set of inputs, poisoning what outputs it reaches),
+    then captured launched early in a CUDA graph and replayed, three rounds of each reset in
+    turn, with the compared tensors poisoned first: every replay gives the plain launch's
+    results after the same reset, bit for bit, and each of `launchers` compiled a variant
+    launched early that waits first. Sets that give equal results would hide a read of the
+    other set's."""
+    monkeypatch.setattr(pdl, "SWITCHED_ON", False)
+    expected = []
+    for reset in resets:
+        reset()
+        expected.append([t.clone() for t in run()])
+    assert not any(torch.equal(a[0], b[0]) for a, b in itertools.pairwise(expected))
+    monkeypatch.setattr(pdl, "SWITCHED_ON", True)
+    resets[0]()
+    run()  # compiles the early-launched variants
+    assert all(launched_early(launcher) for launcher in launchers)
+    graph = torch.cuda.CUDAGraph()
+    resets[0]()
+    with torch.cuda.graph(graph):
+        results = run()
+    for _ in range(3):
+        for reset, wanted in zip(resets, expected, strict=True):
+            for tensor in results:
+                tensor.fill_(float("nan"))
+            reset()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(got, want) for got, want in zip(results, wanted, strict=True))
+
+
 @needs_pdl
 def test_a_chain_launched_early_in_a_graph_matches_plain_launches(monkeypatch):
     generator = torch.Generator().manual_seed(0)
@@ -95,27 +162,19 @@ def test_a_chain_launched_early_in_a_graph_matches_plain_launches(monkeypatch):
 
     weights = [(rand(HIDDEN) + 1, rand(2 * INTERMEDIATE, HIDDEN), rand(HIDDEN, INTERMEDIATE))
                for _ in range(LAYERS)]
-    x, residual = rand(ROWS, HIDDEN), rand(ROWS, HIDDEN)
+    x, pristine = rand(ROWS, HIDDEN), rand(ROWS, HIDDEN)
+    residual = pristine.clone()
     outs = [tuple(torch.empty(ROWS, width, dtype=DTYPE, device=DEVICE)
                   for width in (HIDDEN, INTERMEDIATE, HIDDEN)) for _ in range(LAYERS)]
-    monkeypatch.setattr(pdl, "SWITCHED_ON", False)
-    expected_residual = residual.clone()
-    expected = chain(x, expected_residual, weights, outs).clone()
-    monkeypatch.setattr(pdl, "SWITCHED_ON", True)
-    graph_residual = residual.clone()
-    chain(x, graph_residual, weights, outs)  # compiles the early-launched variants
-    assert launched_early(skinny._launch) and launched_early(rmsnorm._launch_rms_norm)
-    graph = torch.cuda.CUDAGraph()
-    graph_residual.copy_(residual)
-    with torch.cuda.graph(graph):
-        out = chain(x, graph_residual, weights, outs)
-    for _ in range(3):
+
+    def reset() -> None:
+        residual.copy_(pristine)
         for tensor in (t for layer in outs for t in layer):
             tensor.fill_(float("nan"))
-        graph_residual.copy_(residual)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected) and torch.equal(graph_residual, expected_residual)
+
+    assert_early_launches_match_plain(
+        monkeypatch, lambda: [chain(x, residual, weights, outs), residual], [reset],
+        [skinny._launch, rmsnorm._launch_rms_norm])
 
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = (16, 8, 128, 16) if ON_GPU else (4, 2, 16, 4)
@@ -169,35 +228,23 @@ def test_rotary_attention_and_projection_launched_early_match_plain_launches(mon
     the last to arrive), and its output the o projection, as with plain launches."""
     state = attention_inputs(torch.Generator().manual_seed(3))
     batch = state["batch"]
-    pristine = [t.clone() for t in (batch.q, state["k"], batch.k_cache, batch.v_cache)]
+    restored = (batch.q, state["k"], batch.k_cache, batch.v_cache)
+    pristine = [t.clone() for t in restored]
     attention_out = torch.empty_like(batch.q)
     o_out = torch.empty(len(SEQ_LENS), HIDDEN, dtype=DTYPE, device=DEVICE)
 
     def reset() -> None:
-        for tensor, saved in zip((batch.q, state["k"], batch.k_cache, batch.v_cache), pristine,
-                                 strict=True):
+        for tensor, saved in zip(restored, pristine, strict=True):
             tensor.copy_(saved)
         attention_out.fill_(float("nan"))
         o_out.fill_(float("nan"))
 
-    monkeypatch.setattr(pdl, "SWITCHED_ON", False)
-    reset()
-    attention_part(state, attention_out, o_out)
-    expected = [t.clone() for t in (o_out, batch.k_cache, batch.v_cache)]
-    monkeypatch.setattr(pdl, "SWITCHED_ON", True)
-    reset()
-    attention_part(state, attention_out, o_out)  # compiles the early-launched variants
-    assert launched_early(rotary._launch_rotary) and launched_early(decode._launch_split)
-    graph = torch.cuda.CUDAGraph()
-    reset()
-    with torch.cuda.graph(graph):
+    def run() -> list[torch.Tensor]:
         attention_part(state, attention_out, o_out)
-    for _ in range(3):
-        reset()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(got, want) for got, want in
-                   zip((o_out, batch.k_cache, batch.v_cache), expected, strict=True))
+        return [o_out, batch.k_cache, batch.v_cache]
+
+    assert_early_launches_match_plain(monkeypatch, run, [reset],
+                                      [rotary._launch_rotary, decode._launch_split])
 
 
 # NemotronH-like head shapes on the GPU; rows 0 and 2 continue from their slots' states,
@@ -281,24 +328,59 @@ def test_a_mamba_step_launched_early_matches_plain_launches(monkeypatch):
         for tensor in outs.values():
             tensor.fill_(float("nan"))
 
-    def results() -> list[torch.Tensor]:
+    def run() -> list[torch.Tensor]:
+        mamba_part(state, outs)
         return [outs["out"], state["conv_state"], state["ssm_state"]]
 
-    monkeypatch.setattr(pdl, "SWITCHED_ON", False)
-    reset()
-    mamba_part(state, outs)
-    expected = [t.clone() for t in results()]
-    monkeypatch.setattr(pdl, "SWITCHED_ON", True)
-    reset()
-    mamba_part(state, outs)  # compiles the early-launched variants
-    assert all(launched_early(launcher) for launcher in (
-        mamba_conv._launch_update, mamba_scan._launch_update, rmsnorm._launch_gated_rms_norm))
-    graph = torch.cuda.CUDAGraph()
-    reset()
-    with torch.cuda.graph(graph):
-        mamba_part(state, outs)
-    for _ in range(3):
-        reset()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(got, want) for got, want in zip(results(), expected, strict=True))
+    assert_early_launches_match_plain(monkeypatch, run, [reset], [
+        mamba_conv._launch_update, mamba_scan._launch_update, rmsnorm._launch_gated_rms_norm])
+
+
+MOE = dict(experts=128, top_k=8, hidden=2048, intermediate=768) if ON_GPU else \
+    dict(experts=8, top_k=2, hidden=32, intermediate=16)
+
+
+def moe_inputs(num_tokens: int, generator: torch.Generator) -> dict:
+    experts, _, hidden, intermediate = MOE.values()
+
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(DTYPE).to(DEVICE)
+
+    return {"hidden": rand(num_tokens, hidden, scale=1.0),
+            "router": rand(experts, hidden, scale=hidden**-0.5),
+            "gate_up": rand(experts, 2 * intermediate, hidden, scale=hidden**-0.5),
+            "down": rand(experts, hidden, intermediate, scale=intermediate**-0.5),
+            "arrivals": torch.zeros(moe_routing.MAX_FUSED_ROUTER_TOKENS, dtype=torch.int32,
+                                    device=DEVICE)}
+
+
+def moe_part(state: dict) -> torch.Tensor:
+    """The router and its top-k in one launch, then the experts: alignment (from 2 tokens
+    up), the grouped GEMMs and the top-k sum."""
+    weights, ids = moe_routing.route_hidden_top_k(state["hidden"], state["router"],
+                                                  MOE["top_k"], True, state["arrivals"])
+    return fused_moe.fused_experts(state["hidden"], state["gate_up"], state["down"], weights,
+                                   ids)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_the_moe_part_runs_plainly(num_tokens):
+    assert not moe_part(moe_inputs(num_tokens, torch.Generator().manual_seed(6))).isnan().any()
+
+
+@needs_pdl
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_an_moe_layer_launched_early_matches_plain_launches(monkeypatch, num_tokens):
+    """Replays alternate between two sets of tokens, so a kernel reading what the one ahead
+    wrote for the other set (its intermediates live in the graph's pool, which no poison
+    reaches) gives the other set's answer."""
+    state = moe_inputs(num_tokens, torch.Generator().manual_seed(7))
+    token_sets = [state["hidden"].clone(),
+                  moe_inputs(num_tokens, torch.Generator().manual_seed(8))["hidden"]]
+    launchers = [moe_routing._launch_router_route, fused_moe._launch_grouped_gemm,
+                 fused_moe._launch_sum_choices]
+    if num_tokens > fused_moe.ONE_CHOICE_PER_TILE_TOKENS:
+        launchers.append(fused_moe._launch_align)
+    assert_early_launches_match_plain(
+        monkeypatch, lambda: [moe_part(state)],
+        [functools.partial(state["hidden"].copy_, tokens) for tokens in token_sets], launchers)
