@@ -8,7 +8,8 @@
 #      before it waits for the peers): kernel, custom all-reduce and symmetric-memory tests,
 #      then bench_tp decode (tp1, tp2) main / branch / main / branch
 #   d  same machine: bench_moe and bench_hybrid decode (tp1, tp2) on the branch (the JSON
-#      rows), dummy nemotron-h-8b, qwen3-30b-a3b and qwen3-8b split in every graph mode
+#      rows)
+#   e  same machine: dummy nemotron-h-8b, qwen3-30b-a3b and qwen3-8b split in every graph mode
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 decode() {  # model tiles
@@ -39,9 +40,9 @@ case "$1" in
        run $bench 200 python bench/$bench.py --configs tp1 tp2 --parts decode
        cp bench/results/$bench.json $OUT/
        grep -E "^ +tp[0-9] +[0-9]+ +[0-9.]+ |batch 1" $OUT/$bench.log
-     done
-     run multi 330 python -m pytest -q -m gpu -p no:cacheprovider -k \
+     done ;;
+  e) run multi 560 python -m pytest -q -m gpu -p no:cacheprovider -k \
        "nemotron-h-8b-tp2 or qwen3-30b-a3b or qwen3-8b-tp2" tests/test_multi_gpu.py ;;
-  *) echo "usage: $0 a|c|d"; exit 2 ;;
+  *) echo "usage: $0 a|c|d|e"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
