@@ -10,6 +10,12 @@
 #   d  same machine: bench_moe and bench_hybrid decode (tp1, tp2) on the branch (the JSON
 #      rows)
 #   e  same machine: dummy nemotron-h-8b, qwen3-30b-a3b and qwen3-8b split in every graph mode
+#   f  two H200s, branch ar-early-loads with send_hoist.diff (a sending projection reads its
+#      call counts and slot addresses before its weight loop): kernel, custom all-reduce and
+#      symmetric-memory tests, then bench_tp and bench_hybrid decode (tp1, tp2), without the
+#      hoist / with it, twice
+#   g  same machine: dummy qwen3-8b and nemotron-h-8b split in every graph mode, then the
+#      one-GPU test files in two lanes
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 decode() {  # model tiles
@@ -43,6 +49,28 @@ case "$1" in
      done ;;
   e) run multi 560 python -m pytest -q -m gpu -p no:cacheprovider -k \
        "nemotron-h-8b-tp2 or qwen3-30b-a3b or qwen3-8b-tp2" tests/test_multi_gpu.py ;;
-  *) echo "usage: $0 a|c|d|e"; exit 2 ;;
+  f) BRANCH=$PWD && rm -rf /tmp/nohoist && cp -r "$BRANCH" /tmp/nohoist &&
+       (cd /tmp/nohoist && git apply -R "$BRANCH/bench/results/s39/send_hoist.diff") || exit 1
+     run kernels 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_all_reduce_norm.py \
+       tests/test_kernels_skinny_linear.py tests/test_kernels_pdl.py
+     run car 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_all_reduce.py \
+       tests/test_symm_mem.py
+     for round in 1 2; do
+       for tree in /tmp/nohoist "$BRANCH"; do
+         for bench in bench_tp bench_hybrid; do
+           [ $round = 2 ] && [ $bench = bench_hybrid ] && continue
+           name=${bench}_$(basename $tree)_$round
+           (cd $tree && PYTHONPATH=/tmp/site:$tree run $name 150 python bench/$bench.py \
+             --configs tp1 tp2 --parts decode)
+           grep -E "^ +tp[0-9] +[0-9]+ +[0-9.]+ |batch 1" $OUT/$name.log | sed "s/^/$name /"
+         done
+       done
+     done ;;
+  g) run multi 300 python -m pytest -q -m gpu -p no:cacheprovider -k \
+       "nemotron-h-8b-tp2 or qwen3-8b-tp2" tests/test_multi_gpu.py
+     GPU_CHECK_LANES=2 GPU_CHECK_FILES=single OUT=/tmp/out/suite timeout 280 bash \
+       scripts/gpu_check.sh "tests kernels graph_runners_gpu models_hf engine_generate overlap" \
+       > /tmp/out/suite.log 2>&1; echo "suite rc $?"; sed -n '/=== summary/,$p' /tmp/out/suite.log ;;
+  *) echo "usage: $0 a|c|d|e|f|g"; exit 2 ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C $OUT .
