@@ -15,7 +15,7 @@
 #      symmetric-memory tests, then bench_tp and bench_hybrid decode (tp1, tp2), without the
 #      hoist / with it, twice
 #   g  same machine: dummy qwen3-8b and nemotron-h-8b split in every graph mode, then the
-#      one-GPU test files in two lanes
+#      one-GPU test files but the kernels' (calls c and f ran the changed ones) in two lanes
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 decode() {  # model tiles
@@ -68,8 +68,8 @@ case "$1" in
      done ;;
   g) run multi 300 python -m pytest -q -m gpu -p no:cacheprovider -k \
        "nemotron-h-8b-tp2 or qwen3-8b-tp2" tests/test_multi_gpu.py
-     GPU_CHECK_LANES=2 GPU_CHECK_FILES=single OUT=/tmp/out/suite timeout 280 bash \
-       scripts/gpu_check.sh "tests kernels graph_runners_gpu models_hf engine_generate overlap" \
+     GPU_CHECK_LANES=2 GPU_CHECK_FILES=single OUT=/tmp/out/suite timeout 240 bash \
+       scripts/gpu_check.sh "tests graph_runners_gpu models_hf engine_generate overlap" \
        > /tmp/out/suite.log 2>&1; echo "suite rc $?"; sed -n '/=== summary/,$p' /tmp/out/suite.log ;;
   *) echo "usage: $0 a|c|d|e|f|g"; exit 2 ;;
 esac
