@@ -298,36 +298,19 @@ def _arrived(slot, mask, cols, released, released_flag, release_seen,
 
 
 @triton.jit
-def send_offsets(rows, row_mask, epochs_ptr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                 ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr, EPOCH_MASK: tl.constexpr):
-    """Where rows `rows` of this rank's part go in every rank's slots for this call (add the
-    columns): for `send_tile`, read before a projection's weight loop so its epilogue waits
-    for no load."""
-    epoch = (tl.load(epochs_ptr + rows, mask=row_mask, other=0) + 1) & EPOCH_MASK
-    return (epoch & 1) * (WORLD * SLOT_NUMEL) + RANK * SLOT_NUMEL + rows * ROW_NUMEL
-
-
-@triton.jit
-def slot_addresses(data_ptrs, WORLD: tl.constexpr, WORLD_BLOCK: tl.constexpr):
-    """Every rank's slot address (`PeerRows.data_ptrs`; `WORLD_BLOCK` the next power of two),
-    loaded once for `send_tile`."""
-    ranks = tl.arange(0, WORLD_BLOCK)
-    return tl.load(data_ptrs + ranks, mask=ranks < WORLD, other=0), ranks
-
-
-@triton.jit
-def send_tile(tile, row_offsets, cols, row_mask, col_mask, addresses, ranks,
-              WORLD: tl.constexpr):
-    """Store `tile` (this rank's part of some rows, columns `cols`, in the buffers' dtype)
-    in every rank's slot for this rank, its own included, at `row_offsets`
-    (`send_offsets`) of `addresses` (`slot_addresses`), where the reduce after it
+def send_tile(tile, rows, cols, row_mask, col_mask, data_ptrs, epochs_ptr, RANK: tl.constexpr,
+              WORLD: tl.constexpr, ROW_NUMEL: tl.constexpr, SLOT_NUMEL: tl.constexpr,
+              EPOCH_MASK: tl.constexpr):
+    """Store `tile` (this rank's part of rows `rows`, columns `cols`, in the buffers' dtype)
+    in every rank's slot for this rank, its own included, where the reduce after it
     (`gathered_add_rms_norm`) reads it: for a projection's epilogue, so the parts travel
     while the projection's other programs still run."""
-    offsets = row_offsets[:, None] + cols[None, :]
+    epoch = (tl.load(epochs_ptr + rows, mask=row_mask, other=0) + 1) & EPOCH_MASK
+    offsets = ((epoch & 1) * (WORLD * SLOT_NUMEL) + RANK * SLOT_NUMEL + rows * ROW_NUMEL)[:, None] \
+        + cols[None, :]
     tile = _not_empty(tile)
     for rank in tl.static_range(WORLD):
-        address = tl.sum(tl.where(ranks == rank, addresses, 0), 0)
-        data = _aligned(address, tile.dtype)
+        data = _aligned(tl.load(data_ptrs + rank), tile.dtype)
         tl.store(data + offsets, tile, mask=row_mask[:, None] & col_mask[None, :])
 
 

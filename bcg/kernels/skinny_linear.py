@@ -30,7 +30,6 @@ from bcg.kernels._launch import (
     CachedLauncher,
     DeviceConfigs,
     multiprocessor_count,
-    next_power_of_2,
     require_last_dim_contiguous,
 )
 from bcg.kernels.all_reduce_norm import (
@@ -38,9 +37,7 @@ from bcg.kernels.all_reduce_norm import (
     PeerRows,
     fitting,
     gathered_add_rms_norm,
-    send_offsets,
     send_tile,
-    slot_addresses,
 )
 from bcg.utils import cdiv
 
@@ -181,7 +178,6 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
          "SEND": sends, "RANK": peers.rank if sends else 0,
          "WORLD": peers.world_size if sends else 1,
-         "WORLD_BLOCK": next_power_of_2(peers.world_size) if sends else 1,
          "ROW_NUMEL": peers.row_numel if sends else 0,
          "SLOT_NUMEL": peers.row_numel * peers.max_rows if sends else 0,
          "EPOCH_MASK": EPOCH_MASK, "PDL": _pdl.launches_early(x.device),
@@ -209,7 +205,6 @@ def _skinny_linear_kernel(
     SEND: tl.constexpr,  # into every rank's slot (send_tile), not out_ptr
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
-    WORLD_BLOCK: tl.constexpr,  # WORLD's next power of two
     ROW_NUMEL: tl.constexpr,
     SLOT_NUMEL: tl.constexpr,
     EPOCH_MASK: tl.constexpr,
@@ -223,10 +218,6 @@ def _skinny_linear_kernel(
     row_mask = rows < num_rows
     col_mask = cols < N
     _pdl.wait_for_previous(PDL)
-    if SEND:  # the epilogue's loads, done now so they travel with the weight's
-        row_offsets = send_offsets(rows, row_mask, epochs_ptr, RANK, WORLD, ROW_NUMEL, SLOT_NUMEL,
-                                   EPOCH_MASK)
-        addresses, ranks = slot_addresses(data_ptrs, WORLD, WORLD_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half's, if gated
     for start in range(0, K, BLOCK_K):
@@ -251,8 +242,8 @@ def _skinny_linear_kernel(
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
     if SEND:
-        send_tile(acc.to(x_ptr.dtype.element_ty), row_offsets, cols, row_mask, col_mask,
-                  addresses, ranks, WORLD)
+        send_tile(acc.to(x_ptr.dtype.element_ty), rows, cols, row_mask, col_mask, data_ptrs,
+                  epochs_ptr, RANK, WORLD, ROW_NUMEL, SLOT_NUMEL, EPOCH_MASK)
     else:
         out_ptrs = out_ptr + rows[:, None] * STRIDE_OUT + cols[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
