@@ -189,12 +189,13 @@ def test_negative_zeros_are_sent_as_zeros_and_slots_left_empty(rank: int,
 
 @pytest.mark.parametrize("projected", [False, True], ids=["plain", "projected"])
 @pytest.mark.parametrize("rank", [0, 2])
-def test_four_ranks_parts_sum_in_rank_order(rank: int, projected: bool) -> None:
-    """At four ranks (three peers played by hand, their parts already sent): the sum of all
-    four in rank order, this rank's part in every peer's slot for it, its own slots left
+@pytest.mark.parametrize("world", [3, 4])
+def test_several_ranks_parts_sum_in_rank_order(world: int, rank: int, projected: bool) -> None:
+    """At three and four ranks (the peers played by hand, their parts already sent): the sum
+    of all in rank order, this rank's part in every peer's slot for it, its own slots left
     empty, over both parities; `projected`: this rank's part sent from the projection's
-    epilogue (its own slot among the four), then added to a residual and normalised."""
-    world, rows, width = 4, 3, 40
+    epilogue (its own slot among the others), then added to a residual and normalised."""
+    rows, width = 3, 40
     regions = [all_reduce_norm.PeerRows.empty_slots(torch.empty(
         all_reduce_norm.PeerRows.region_numel(world, ROW_NUMEL, MAX_ROWS), dtype=DTYPE,
         device=DEVICE)) for _ in range(world)]

@@ -60,7 +60,7 @@ from bcg.kernels._launch import (
     next_power_of_2,
     require_last_dim_contiguous,
 )
-from bcg.kernels.rmsnorm import add_rms_norm_row
+from bcg.kernels.rmsnorm import add_rms_norm_loaded
 
 EPOCH_MASK = (1 << 30) - 1  # counters wrap below int32's limit
 RELEASE_POLL = 1 << 16  # spins between reads of the host's release flag (a read crosses PCIe)
@@ -245,6 +245,10 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptr
             if peer != RANK:
                 peer_data = _aligned(tl.load(data_ptrs + peer), dtype)
                 tl.store(peer_data + row_offset + RANK * SLOT_NUMEL + cols, x, mask=mask)
+    res_ptrs = residual_ptr + row * STRIDE_RES + cols
+    if ADD_NORM:  # loaded while the parts travel: they do not depend on the peers
+        residual = tl.load(res_ptrs, mask=mask, other=0.0)
+        norm_weight = tl.load(norm_w_ptr + cols, mask=mask, other=0.0)
     own_data = _aligned(tl.load(data_ptrs + RANK), dtype)
     released_flag = tl.load(release_ptrs).to(tl.pointer_type(tl.int32))
     release_seen = tl.load(release_ptrs + 1).to(tl.pointer_type(tl.int32))
@@ -266,8 +270,8 @@ def _reduce_row(x_ptr, residual_ptr, norm_w_ptr, out_ptr, data_ptrs, release_ptr
     tl.store(epochs_ptr + row, epoch)
     out_ptrs = out_ptr + row * STRIDE_OUT + cols
     if ADD_NORM:  # the sum rounded first, as the all-reduce's output would be
-        add_rms_norm_row(total.to(dtype), residual_ptr + row * STRIDE_RES + cols, norm_w_ptr,
-                         out_ptrs, cols, mask, eps, N, True)
+        add_rms_norm_loaded(total.to(dtype), residual, norm_weight, res_ptrs, out_ptrs, mask,
+                            eps, N, True)
     else:
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -155,16 +155,23 @@ def add_rms_norm_row(x, res_ptrs, weight_ptr, out_ptrs, cols, mask, eps, HIDDEN:
     """One row: with `HAS_RESIDUAL`, `x + residual` (rounded to x's dtype) written back
     to the residual first; then the row over its root mean square, rounded to x's dtype,
     times the weight, written to `out_ptrs`. Kernels that end in a norm share it."""
+    residual = tl.load(res_ptrs, mask=mask, other=0.0) if HAS_RESIDUAL else x
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    add_rms_norm_loaded(x, residual, weight, res_ptrs, out_ptrs, mask, eps, HIDDEN, HAS_RESIDUAL)
+
+
+@triton.jit
+def add_rms_norm_loaded(x, residual, weight, res_ptrs, out_ptrs, mask, eps, HIDDEN: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr):
+    """`add_rms_norm_row` with the residual's and the weight's values already loaded (a
+    kernel that waits for `x` loads them before it waits)."""
     if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(
-            x.dtype
-        )
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
         tl.store(res_ptrs, x, mask=mask)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / HIDDEN + eps)
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (normed * weight).to(out_ptrs.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, (normed * weight.to(tl.float32)).to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
