@@ -154,7 +154,8 @@ def add_rms_norm_row(x, res_ptrs, weight_ptr, out_ptrs, cols, mask, eps, HIDDEN:
                      HAS_RESIDUAL: tl.constexpr):
     """One row: with `HAS_RESIDUAL`, `x + residual` (rounded to x's dtype) written back
     to the residual first; then the row over its root mean square, rounded to x's dtype,
-    times the weight, written to `out_ptrs`. Kernels that end in a norm share it."""
+    times the weight, written to `out_ptrs`. Kernels that end in a norm share it (or
+    `add_rms_norm_loaded`, given the loaded values)."""
     residual = tl.load(res_ptrs, mask=mask, other=0.0) if HAS_RESIDUAL else x
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     add_rms_norm_loaded(x, residual, weight, res_ptrs, out_ptrs, mask, eps, HIDDEN, HAS_RESIDUAL)
