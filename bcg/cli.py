@@ -54,7 +54,7 @@ def _add_dataclass_args(group, cls: type) -> None:
         help_text = meta["help"].replace("%", "%%")  # argparse %-formats help
         if hints[field.name] in (bool, bool | None):  # None: decided by the device
             group.add_argument(*flags, action=argparse.BooleanOptionalAction,
-                               default=field.default, help=help_text)
+                               default=field.default, help=help_text + _default_note(field))
             continue
         group.add_argument(*flags, type=_value_type(hints[field.name]), default=field.default,
                            choices=meta.get("choices"), help=help_text + _default_note(field))
@@ -346,8 +346,10 @@ def _json_object(text: str) -> dict:
 
 def _default_note(field: dataclasses.Field) -> str:
     """' (default: X)', unless the help already tells the default."""
-    if field.default is None or "default:" in field.metadata["help"]:
+    if field.default is None or "default:" in field.metadata["help"].lower():
         return ""
+    if isinstance(field.default, bool):
+        return f" (default: {'on' if field.default else 'off'})"
     return f" (default: {field.default})"
 
 

@@ -154,6 +154,7 @@ class EngineConfig:
         "mixture-of-experts models over several ranks: each rank holds an equal share of the "
         "experts, whole (expert parallel), instead of every expert's share of the intermediate "
         "dimension; attention and dense layers stay tensor parallel",
+        aliases=("-ep",),
     )
     ep_dispatch: str = _arg(
         "allreduce",

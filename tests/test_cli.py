@@ -57,6 +57,19 @@ def test_every_flag_is_in_the_readme(command):
             assert flag in readme, f"{command} {flag} is not in README.md"
 
 
+def test_on_off_flags_show_their_default(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "earlier prompts (default: on)" in help_text  # --enable-prefix-caching
+    assert "--prefill-graph none --decode-graph none) (default: off)" in help_text
+
+
+def test_expert_parallel_takes_vllm_short_flag():
+    args = build_parser().parse_args(["generate", "hi", "-ep"])
+    assert engine_config_from_args(args).enable_expert_parallel
+
+
 def test_flags_reach_the_engine_config():
     args = build_parser().parse_args([
         "generate", "hi", "--max-model-len", "512", "--no-enable-prefix-caching",

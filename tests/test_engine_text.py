@@ -244,6 +244,12 @@ def test_a_chat_template_error_is_a_value_error(llm, monkeypatch):
         llm.chat([{"role": "system", "content": "hi"}], GREEDY, use_tqdm=False)
 
 
+def test_a_chat_template_that_is_not_jinja_is_named(llm):
+    with pytest.raises(ValueError, match=r"not valid Jinja \(line 1\).*fix the template"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False,
+                 chat_template="{% if %}")
+
+
 def test_chat_input_of_the_wrong_shape_is_named(llm, tmp_path):
     """A message not in a list, a bad conversation among several (named by its index),
     options that are not ChatOptions, a template that renders nothing; a chat_template that

@@ -255,6 +255,9 @@ class LLMEngine:
         try:
             text = self.tokenizer.apply_chat_template(conversation,
                                                       **options.template_arguments())
+        except jinja2.TemplateSyntaxError as error:
+            raise ValueError(f"the chat template is not valid Jinja (line {error.lineno}): "
+                             f"{error.message}; fix the template") from error
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
         except RecursionError:  # the template's data is copied recursively
