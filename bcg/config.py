@@ -142,7 +142,9 @@ class EngineConfig:
         "overlap each step's host work (scheduling, building and uploading the next batch, "
         "stop checks and detokenising) with the device running the step before: sampled "
         "tokens feed the next step on the device and reach the host one step later (outputs "
-        "are unchanged). Default: on for CUDA, off on CPU, where nothing runs concurrently",
+        "are unchanged). Default: on for CUDA, off on CPU, where nothing runs concurrently. "
+        "vLLM's name: --async-scheduling",
+        aliases=("--async-scheduling",),
     )
     verify_graphs: bool = _arg(
         False,

@@ -65,9 +65,11 @@ def test_on_off_flags_show_their_default(capsys):
     assert "--prefill-graph none --decode-graph none) (default: off)" in help_text
 
 
-def test_expert_parallel_takes_vllm_short_flag():
-    args = build_parser().parse_args(["generate", "hi", "-ep"])
-    assert engine_config_from_args(args).enable_expert_parallel
+def test_vllm_flag_names_are_taken_too():
+    config = engine_config_from_args(
+        build_parser().parse_args(["generate", "hi", "-ep", "--no-async-scheduling"]))
+    assert config.enable_expert_parallel and config.overlap is False
+    assert build_parser().parse_args(["serve", "--disable-uvicorn-access-log"]).disable_access_log
 
 
 def test_flags_reach_the_engine_config():

@@ -29,8 +29,8 @@ from bcg.utils import is_int, is_number
 logger = logging.getLogger(__name__)
 
 
-def _setting(default, help: str):
-    return field(default=default, metadata={"help": help})
+def _setting(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass
@@ -52,7 +52,8 @@ class ServerSettings:
         None, "a Jinja chat template for chat requests and /tokenize's messages instead of "
         "the tokenizer's own: a file, or the template itself")
     disable_log_stats: bool = _setting(False, "no throughput log lines")
-    disable_access_log: bool = _setting(False, "no log line per HTTP request")
+    disable_access_log: bool = _setting(False, "no log line per HTTP request",
+                                        aliases=("--disable-uvicorn-access-log",))
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_sequences_per_request"):
