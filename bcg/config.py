@@ -6,6 +6,7 @@ against the model or the device when the engine starts.
 
 from __future__ import annotations
 
+import logging
 import re
 import types
 import typing
@@ -17,6 +18,8 @@ import torch
 from bcg.distributed.expert_parallel import DISPATCH_MODES
 from bcg.models.presets import PRESETS
 from bcg.utils import is_int, is_number
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from bcg.loader.model_source import ModelSource
@@ -212,6 +215,11 @@ class EngineConfig:
                 "model is empty: name a model (a folder, a GGUF file or a preset) or leave it "
                 "out for the built-in SmolLM2")
         if self.enforce_eager:
+            chosen = {name: getattr(self, name) for name in ("prefill_graph", "decode_graph")
+                      if getattr(self, name) not in (_DEFAULTS[name], "none")}
+            if chosen:
+                logger.warning("enforce_eager overrides %s: every step runs eagerly",
+                               ", ".join(f"{name}={value!r}" for name, value in chosen.items()))
             self.prefill_graph = self.decode_graph = "none"
         require(is_int(self.seed) and -2**63 <= self.seed < 2**64,
                 f"seed must be a 64-bit integer (torch's range), got {self.seed!r}")
@@ -340,6 +348,7 @@ def require_field(field: str, ok: bool, message: str) -> None:
 
 
 _FIELD_TYPES = typing.get_type_hints(EngineConfig)
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 
 def _has_type(value, hint) -> bool:

@@ -107,6 +107,14 @@ def test_enforce_eager_turns_every_graph_off():
     assert not config.enforce_eager and config.prefill_graph == "breakable"
 
 
+def test_enforce_eager_names_the_graph_modes_it_overrides(caplog):
+    with caplog.at_level("WARNING"):
+        engine_config_from_args(build_parser().parse_args(
+            ["generate", "hi", "--enforce-eager", "--prefill-graph", "piecewise"]))
+    assert "enforce_eager overrides prefill_graph='piecewise'" in caplog.text
+    assert "decode_graph" not in caplog.text
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])

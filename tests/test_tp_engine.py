@@ -542,6 +542,15 @@ def test_experts_that_do_not_split_are_refused_before_weights_load(tmp_path):
         check_tensor_parallel_size(split, model)
 
 
+def test_expert_parallel_on_a_dense_model_is_named(tmp_path, caplog):
+    save_tiny_model("qwen3", tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=2,
+                          enable_expert_parallel=True)
+    with caplog.at_level("WARNING"):
+        check_tensor_parallel_size(config, resolve_model(str(tmp_path)).config)
+    assert "enable_expert_parallel has no effect: this model has no experts" in caplog.text
+
+
 def test_bad_sizes_are_refused_before_weights_load(tmp_path, monkeypatch):
     save_tiny_model("qwen3", tmp_path)  # 4 heads, 2 KV heads, intermediate 96
     monkeypatch.setattr(model_runner, "load_model", _fail_at_load)

@@ -73,7 +73,11 @@ class TensorParallelError(RuntimeError):
 
 
 def check_tensor_parallel_size(config: EngineConfig, model: ModelConfig) -> None:
-    """Refuse a size the model or the machine cannot take, before any weight loads."""
+    """Refuse a size the model or the machine cannot take, before any weight loads (and say
+    when expert parallelism is asked of a model without experts)."""
+    if config.enable_expert_parallel and not model.num_experts:
+        logger.warning("enable_expert_parallel has no effect: this model has no experts, so "
+                       "its layers are split by tensor parallelism alone")
     size = config.tensor_parallel_size
     if size == 1:
         return
