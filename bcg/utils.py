@@ -13,6 +13,20 @@ import socket
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+SWITCH_VALUES = {"1": True, "on": True, "true": True, "yes": True,
+                 "0": False, "off": False, "false": False, "no": False}
+
+
+def switch_from_environment(value: str | None, name: str) -> bool:
+    """An on/off environment variable's value (`name`'s, unset: on); anything else is
+    refused."""
+    if value is None:
+        return True
+    if value.strip().lower() not in SWITCH_VALUES:
+        raise ValueError(f"{name} must be 1 or 0 (on/off, true/false, yes/no), got {value!r}")
+    return SWITCH_VALUES[value.strip().lower()]
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of integers (on the host: `triton.cdiv` costs microseconds a call)."""
     return -(-a // b)

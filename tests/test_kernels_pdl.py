@@ -48,12 +48,12 @@ def test_the_switch_turns_it_off(monkeypatch):
 @pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("On", True), (" no ", False),
                                        ("0", False), ("false", False)])
 def test_the_switch_reads_the_usual_spellings(value, on):
-    assert pdl.switch_from_environment(value) is on
+    assert pdl.switch_from_environment(value, "BCG_PDL") is on
 
 
 def test_a_bad_switch_value_is_refused_with_the_accepted_ones():
     with pytest.raises(ValueError, match="BCG_PDL must be 1 or 0"):
-        pdl.switch_from_environment("2")
+        pdl.switch_from_environment("2", "BCG_PDL")
 
 
 def chain(x: torch.Tensor, residual: torch.Tensor, weights: list, outs: list) -> torch.Tensor:

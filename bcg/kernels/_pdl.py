@@ -33,23 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from bcg.utils import switch_from_environment
+
 # The constexpr a kernel takes to launch early: `CachedLauncher` adds the launch option
 # whenever it is set, so the wait and the early launch always come together.
 CONSTEXPR = "PDL"
-SWITCH_VALUES = {"1": True, "on": True, "true": True, "yes": True,
-                 "0": False, "off": False, "false": False, "no": False}
-
-
-def switch_from_environment(value: str | None) -> bool:
-    """`BCG_PDL`'s value as on (unset: on) or off; anything else is refused."""
-    if value is None:
-        return True
-    if value.strip().lower() not in SWITCH_VALUES:
-        raise ValueError(f"BCG_PDL must be 1 or 0 (on/off, true/false, yes/no), got {value!r}")
-    return SWITCH_VALUES[value.strip().lower()]
-
-
-SWITCHED_ON = switch_from_environment(os.environ.get("BCG_PDL"))
+SWITCHED_ON = switch_from_environment(os.environ.get("BCG_PDL"), "BCG_PDL")
 TRITON_HAS_PDL = getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is not None
 MIN_CAPABILITY = (9, 0)
 

@@ -253,74 +253,105 @@ def _decode_split_kernel(
     kv_head = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + row)
+    group_idx = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + group_idx
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + row * STRIDE_Q_TOK + heads[:, None] * STRIDE_Q_HEAD + dims[None, :],
+                mask=(group_idx < GROUP)[:, None], other=0.0)
+    attend_split(
+        q, kv_head, row, split, tl.load(seq_lens_ptr + row), k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + row.to(tl.int64) * stride_table, out_ptr, partial_out_ptr,
+        partial_lse_ptr, arrivals_ptr, scale_log2, num_splits, STRIDE_CACHE_BLOCK,
+        STRIDE_CACHE_SLOT, STRIDE_CACHE_HEAD, STRIDE_OUT_TOK, STRIDE_OUT_HEAD, NUM_HEADS, GROUP,
+        BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, GROUP_P2, MAX_SPLITS, SPLITS_PER_LOAD,
+    )
+
+
+@triton.jit
+def attend_split(
+    q, kv_head, row, split, seq_len, k_cache_ptr, v_cache_ptr, table_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, arrivals_ptr, scale_log2, num_splits,
+    STRIDE_CACHE_BLOCK: tl.constexpr,
+    STRIDE_CACHE_SLOT: tl.constexpr,
+    STRIDE_CACHE_HEAD: tl.constexpr,
+    STRIDE_OUT_TOK: tl.constexpr,
+    STRIDE_OUT_HEAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    SPLITS_PER_LOAD: tl.constexpr,
+):
+    """Split ``split`` of row ``row``'s KV (``seq_len`` tokens, pages at ``table_ptr``) for
+    the query heads of ``kv_head``: ``q`` ``[BLOCK_H, HEAD_DIM]``, its rows past ``GROUP``
+    zero. The attention of those heads goes to ``out_ptr``, merged over the splits by the
+    last one in; a split past the sequence does nothing (the decode kernel's body, shared
+    with the fused decode stack)."""
     chunk = _split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if start >= end:
-        return
+    if start < end:
+        group_idx = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + group_idx
+        head_mask = group_idx < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        head_offset = kv_head * STRIDE_CACHE_HEAD
+        # Every row sees the whole chunk: only the ragged last tile needs a mask.
+        last_pos = tl.full([BLOCK_H], 0, tl.int32) + end - 1
+        whole_tiles_end = start + (end - start) // BLOCK_N * BLOCK_N
 
-    group_idx = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + group_idx
-    head_mask = group_idx < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + row * STRIDE_Q_TOK + heads[:, None] * STRIDE_Q_HEAD + dims[None, :],
-        mask=head_mask[:, None],
-        other=0.0,
-    )
-    table_ptr = block_tables_ptr + row.to(tl.int64) * stride_table
-    head_offset = kv_head * STRIDE_CACHE_HEAD
-    # Every row sees the whole chunk: only the ragged last tile needs a mask.
-    last_pos = tl.full([BLOCK_H], 0, tl.int32) + end - 1
-    whole_tiles_end = start + (end - start) // BLOCK_N * BLOCK_N
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        acc, l_i, m_i = attend_kv_range(
+            acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+            start, whole_tiles_end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
+            HEAD_DIM, PAGE, BLOCK_N, False,
+        )
+        acc, l_i, m_i = attend_kv_range(
+            acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+            whole_tiles_end, end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
+            HEAD_DIM, PAGE, BLOCK_N, True,
+        )
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = attend_kv_range(
-        acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-        start, whole_tiles_end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
-        HEAD_DIM, PAGE, BLOCK_N, False,
-    )
-    acc, l_i, m_i = attend_kv_range(
-        acc, l_i, m_i, q, last_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-        whole_tiles_end, end, scale_log2, STRIDE_CACHE_BLOCK, STRIDE_CACHE_SLOT,
-        HEAD_DIM, PAGE, BLOCK_N, True,
-    )
-
-    result = acc / l_i[:, None]
-    out_ptrs = out_ptr + row * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD + dims[None, :]
-    # A runtime branch, not a constexpr: the splits in use follow the sequence length (a
-    # sequence within one split's chunk needs no merge, whatever the split count).
-    num_used = tl.cdiv(seq_len, chunk)
-    if num_used == 1:
-        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    else:
-        # The plan's workspace is contiguous [batch, heads, splits, (head_dim)].
-        first_rows = (row * NUM_HEADS + heads) * num_splits
-        partial_ptrs = partial_out_ptr + (first_rows + split)[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(partial_ptrs, result, mask=head_mask[:, None])
-        tl.store(partial_lse_ptr + first_rows + split, m_i + tl.log2(l_i), mask=head_mask)
-        # Release these partials, then count this split in; the last one in merges them.
-        # The barrier first: one thread does the atomic, and its release must cover every
-        # thread's stores.
-        tl.debug_barrier()
-        arrival_ptr = arrivals_ptr + row * tl.num_programs(0) + kv_head
-        arrived = tl.atomic_add(arrival_ptr, 1, sem="acq_rel")
-        if arrived == num_used - 1:
-            tl.debug_barrier()  # every thread's reads after the one thread's acquire
-            merged = _merge_splits(partial_out_ptr, partial_lse_ptr,
-                                   (row * NUM_HEADS + kv_head * GROUP) * num_splits, num_splits,
-                                   num_used, GROUP, GROUP_P2, HEAD_DIM, MAX_SPLITS,
-                                   SPLITS_PER_LOAD)
-            group_heads = tl.arange(0, GROUP_P2)
-            merged_ptrs = (out_ptr + row * STRIDE_OUT_TOK
-                           + (kv_head * GROUP + group_heads)[:, None] * STRIDE_OUT_HEAD
-                           + dims[None, :])
-            tl.store(merged_ptrs, merged.to(out_ptr.dtype.element_ty),
-                     mask=(group_heads < GROUP)[:, None])
-            tl.store(arrival_ptr, 0)  # ready for the next call (the next layer, a replay)
+        result = acc / l_i[:, None]
+        out_ptrs = (out_ptr + row * STRIDE_OUT_TOK + heads[:, None] * STRIDE_OUT_HEAD
+                    + dims[None, :])
+        # A runtime branch, not a constexpr: the splits in use follow the sequence length (a
+        # sequence within one split's chunk needs no merge, whatever the split count).
+        num_used = tl.cdiv(seq_len, chunk)
+        if num_used == 1:
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        else:
+            # The plan's workspace is contiguous [batch, heads, splits, (head_dim)].
+            first_rows = (row * NUM_HEADS + heads) * num_splits
+            partial_ptrs = (partial_out_ptr + (first_rows + split)[:, None] * HEAD_DIM
+                            + dims[None, :])
+            tl.store(partial_ptrs, result, mask=head_mask[:, None])
+            tl.store(partial_lse_ptr + first_rows + split, m_i + tl.log2(l_i), mask=head_mask)
+            # Release these partials, then count this split in; the last one in merges them.
+            # The barrier first: one thread does the atomic, and its release must cover
+            # every thread's stores.
+            tl.debug_barrier()
+            arrival_ptr = arrivals_ptr + row * (NUM_HEADS // GROUP) + kv_head
+            arrived = tl.atomic_add(arrival_ptr, 1, sem="acq_rel")
+            if arrived == num_used - 1:
+                tl.debug_barrier()  # every thread's reads after the one thread's acquire
+                merged = _merge_splits(partial_out_ptr, partial_lse_ptr,
+                                       (row * NUM_HEADS + kv_head * GROUP) * num_splits,
+                                       num_splits, num_used, GROUP, GROUP_P2, HEAD_DIM,
+                                       MAX_SPLITS, SPLITS_PER_LOAD)
+                group_heads = tl.arange(0, GROUP_P2)
+                merged_ptrs = (out_ptr + row * STRIDE_OUT_TOK
+                               + (kv_head * GROUP + group_heads)[:, None] * STRIDE_OUT_HEAD
+                               + dims[None, :])
+                tl.store(merged_ptrs, merged.to(out_ptr.dtype.element_ty),
+                         mask=(group_heads < GROUP)[:, None])
+                tl.store(arrival_ptr, 0)  # ready for the next call (the next layer, a replay)
 
 
 _launch_split = CachedLauncher(_decode_split_kernel)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import torch
 
 try:
+    from bcg.kernels._launch import multiprocessor_count
     from bcg.kernels.activation import relu_squared, silu_and_mul
     from bcg.kernels.decode_attention import MAX_GRID_ROWS as MAX_DECODE_ROWS
     from bcg.kernels.decode_attention import decode_attention, plan_decode
+    from bcg.kernels.decode_stack import StackShape, decode_stack, make_workspace
+    from bcg.kernels.decode_stack import unsupported_reason as decode_stack_unsupported
     from bcg.kernels.extend_attention import extend_attention
     from bcg.kernels.fused_moe import fused_experts as fused_experts_kernel
     from bcg.kernels.kv_store import store_kv
@@ -32,12 +35,14 @@ except ImportError:
     HAVE_TRITON = False
     MAX_FUSED_ROUTER_TOKENS = 0
 
-__all__ = ["MAX_DECODE_ROWS", "MAX_FUSED_ROUTER_TOKENS", "add_rms_norm", "apply_rotary",
-           "causal_conv1d_update", "causal_conv1d_varlen", "decode_attention",
-           "extend_attention", "fused_experts", "gated_rms_norm", "plan_decode", "relu_squared",
-           "rms_norm", "route_hidden_top_k", "route_top_k", "selective_state_update",
-           "silu_and_mul", "skinny_linear", "ssd_scan_varlen", "store_kv", "use_fused_kernels",
-           "uses_fused_router", "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
+__all__ = ["MAX_DECODE_ROWS", "MAX_FUSED_ROUTER_TOKENS", "StackShape", "add_rms_norm",
+           "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen", "decode_attention",
+           "decode_stack", "decode_stack_unsupported", "extend_attention", "fused_experts",
+           "gated_rms_norm", "make_workspace", "multiprocessor_count", "plan_decode",
+           "relu_squared", "rms_norm", "route_hidden_top_k", "route_top_k",
+           "selective_state_update", "silu_and_mul", "skinny_linear", "ssd_scan_varlen",
+           "store_kv", "use_fused_kernels", "uses_fused_router", "uses_moe_kernel",
+           "uses_skinny_linear", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:

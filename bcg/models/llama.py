@@ -10,6 +10,7 @@ from torch import nn
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.graph import bridge_buffer
 from bcg.layers.attention import Attention, kv_store_target
+from bcg.layers.decode_stack import FusedDecodeStack
 from bcg.layers.embedding import Embedding, LMHead
 from bcg.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bcg.layers.norm import RMSNorm
@@ -123,10 +124,13 @@ class LlamaModel(nn.Module):
             for layer_id in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode = FusedDecodeStack(self.layers, self.norm, self.rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return run_residual_stack(self.layers, positions, self.embed_tokens(input_ids),
-                                  self.norm)
+        hidden_states = self.embed_tokens(input_ids)
+        if self.fused_decode.runs(hidden_states):
+            return self.fused_decode(hidden_states, positions)
+        return run_residual_stack(self.layers, positions, hidden_states, self.norm)
 
 
 # The checkpoint's q, k and v projections load into LlamaAttention's merged qkv_proj.

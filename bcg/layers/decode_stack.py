@@ -1,0 +1,115 @@
+"""A dense Llama-family stack's decode step of one sequence as one launch
+(`bcg.kernels.decode_stack`), where the model, the device and the step allow it.
+
+It runs in the steps a decode graph of batch size 1 captures (and their eager form): one
+sequence adding one token, on CUDA, without tensor parallelism, in a 16-bit dtype, for a model
+whose layers are all attention with rotary + gated MLP, without biases. Any other step runs the
+layers one by one. `BCG_DECODE_STACK=0` in the environment turns it off, to compare.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from bcg.distributed.parallel_state import tensor_parallel
+from bcg.forward import get_forward_context
+from bcg.graph import CaptureNeedsWarmUp
+from bcg.layers import triton_ops
+from bcg.layers.norm import RMSNorm
+from bcg.layers.rotary import RotaryEmbedding
+from bcg.utils import switch_from_environment
+
+SWITCHED_ON = switch_from_environment(os.environ.get("BCG_DECODE_STACK"), "BCG_DECODE_STACK")
+
+
+class FusedDecodeStack:
+    """The layers of a `LlamaModel` as the fused kernel takes them: `runs(hidden)` says
+    whether this forward may use it, `__call__` runs every layer and the final norm."""
+
+    def __init__(self, layers: nn.ModuleList, final_norm: RMSNorm,
+                 rotary: RotaryEmbedding) -> None:
+        self.layers, self.final_norm, self.rotary = layers, final_norm, rotary
+        self._fits_device: dict[torch.device, bool] = {}
+        self._shape = None
+        self._table: torch.Tensor | None = None
+        self._workspace = None
+
+    def runs(self, hidden: torch.Tensor) -> bool:
+        """Whether this forward (embedded tokens `hidden`) runs as one launch."""
+        if not (SWITCHED_ON and hidden.is_cuda and hidden.shape[0] == 1
+                and hidden.dtype in (torch.bfloat16, torch.float16)
+                and not torch.compiler.is_compiling()):
+            return False
+        context = get_forward_context()
+        # A decode step, and not inside a prefill graph (its segments serve any batch).
+        if not (context.rotary_may_store_kv and context.batch.is_decode):
+            return False
+        if hidden.device not in self._fits_device:
+            self._fits_device[hidden.device] = self._fits(hidden.device)
+        return self._fits_device[hidden.device]
+
+    def _fits(self, device: torch.device) -> bool:
+        if tensor_parallel().size != 1 or not all(_plain(layer) for layer in self.layers):
+            return False
+        self._shape = _shape(self.layers, self.final_norm)
+        programs = triton_ops.multiprocessor_count(device)
+        return triton_ops.decode_stack_unsupported(self._shape, programs) is None
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every layer on `hidden` (in place), then the final norm."""
+        context = get_forward_context()
+        batch = context.batch
+        if self._workspace is None:
+            if torch.cuda.is_current_stream_capturing():  # its buffers outlive any graph
+                raise CaptureNeedsWarmUp("the fused decode stack builds its buffers on its "
+                                         "first call: run the captured code once eagerly first")
+            self._workspace = triton_ops.make_workspace(self._shape, hidden.dtype, hidden.device)
+            self._table = _weight_table(self.layers, hidden.dtype)
+        triton_ops.decode_stack(
+            hidden, positions, batch.slot_mapping, batch.seq_lens, batch.block_tables,
+            self._table, context.kv_cache.storage, self.rotary.cos,
+            self.rotary.sin, self._workspace, self._shape, self.final_norm.eps)
+        return self.final_norm(hidden)
+
+
+def _shape(layers: nn.ModuleList, final_norm: RMSNorm):
+    attention = layers[0].self_attn
+    return triton_ops.StackShape(
+        num_layers=len(layers), hidden=final_norm.weight.shape[0],
+        num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
+        intermediate=layers[0].mlp.gate_up_proj.weight.shape[0] // 2,
+        qk_norm=attention.qk_norms is not None)
+
+
+def _weight_table(layers: nn.ModuleList, dtype: torch.dtype) -> torch.Tensor:
+    """Each layer's weight addresses (`bcg.kernels.decode_stack.WEIGHTS` order): loading
+    copies into the same parameters, so they stay valid."""
+    weights = [_layer_weights(layer) for layer in layers]
+    for weight in (w for row in weights for w in row):
+        if weight.dtype != dtype or not weight.is_contiguous():
+            raise ValueError("the fused decode stack needs contiguous weights in the "
+                             f"activations' dtype {dtype}, got {weight.dtype}")
+    return torch.tensor([[w.data_ptr() for w in row] for row in weights], dtype=torch.int64,
+                        device=weights[0][0].device)
+
+
+def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
+    attention, mlp = layer.self_attn, layer.mlp
+    # Without per-head norms the kernel never reads these two; the input norm stands in.
+    q_norm, k_norm = attention.qk_norms or (layer.input_layernorm, layer.input_layernorm)
+    return [attention.qkv_proj.weight, attention.o_proj.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight, q_norm.weight, k_norm.weight]
+
+
+def _plain(layer: nn.Module) -> bool:
+    """Attention with rotary and a gated SiLU MLP, no biases: what the kernel computes."""
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = (attention.qkv_proj, attention.o_proj, getattr(mlp, "gate_up_proj", None),
+                   getattr(mlp, "down_proj", None))
+    return attention.rotary is not None and all(
+        p is not None and p.bias is None for p in projections)

@@ -1,0 +1,48 @@
+"""The fused decode stack's host side, on any machine: which models it takes, how it tiles
+them, and the switch that turns it off (the kernel itself: test_decode_stack_gpu.py)."""
+
+import pytest
+
+import bcg.layers.decode_stack as decode_stack_layer
+from bcg.kernels.decode_stack import StackShape, _constexprs, unsupported_reason
+from bcg.utils import switch_from_environment
+
+QWEN3_0_6B = StackShape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                        intermediate=3072, qk_norm=True)
+
+
+def test_qwen3_0_6b_cuts_into_one_tile_a_program_on_an_h100():
+    import torch
+
+    storage = torch.empty(2, 28, 100, 16, 8, 128, device="meta")
+    cos = torch.empty(4096, 64, device="meta")
+    assert unsupported_reason(QWEN3_0_6B, programs=132) is None
+    c = _constexprs(QWEN3_0_6B, 132, storage, cos, splits=16)
+    assert (c["QKV_TILE"], c["O_TILE"], c["GATE_UP_TILE"], c["DOWN_TILE"]) == (32, 8, 32, 8)
+    # Chunks of at most 16384 weights that divide each input size.
+    assert (c["QKV_CHUNK"], c["O_CHUNK"], c["GATE_UP_CHUNK"], c["DOWN_CHUNK"]) == (
+        512, 2048, 256, 1024)
+    assert (c["KV_LAYER_STRIDE"], c["V_OFFSET"]) == (100 * 16 * 8 * 128, 28 * 100 * 16 * 8 * 128)
+
+
+def test_a_model_it_cannot_tile_is_named():
+    odd_head = StackShape(num_layers=2, hidden=96, num_heads=4, num_kv_heads=2, head_dim=24,
+                          intermediate=96, qk_norm=False)
+    assert "power of two" in unsupported_reason(odd_head, programs=132)
+    odd_hidden = StackShape(num_layers=2, hidden=100, num_heads=4, num_kv_heads=2, head_dim=32,
+                            intermediate=96, qk_norm=False)
+    assert "whole tiles" in unsupported_reason(odd_hidden, programs=132)
+    assert "KV heads" in unsupported_reason(QWEN3_0_6B, programs=4)
+
+
+def test_the_stack_never_runs_off_cuda():
+    import torch
+
+    stack = decode_stack_layer.FusedDecodeStack(None, None, None)
+    assert not stack.runs(torch.zeros(1, 64))
+
+
+def test_its_switch_reads_like_bcg_pdl():
+    assert switch_from_environment("0", "BCG_DECODE_STACK") is False
+    with pytest.raises(ValueError, match="BCG_DECODE_STACK must be 1 or 0"):
+        switch_from_environment("maybe", "BCG_DECODE_STACK")
