@@ -1,7 +1,8 @@
 """The fused decode stack alone on qwen3-0.6b's shapes (28 layers, random weights, one
 sequence of CONTEXT tokens), in a CUDA graph of REPEAT launches: µs a launch for variants of
 its tiling (chunk elements, warps) and one with the grid barriers taken out (a lower bound,
-its results wrong). python bench/results/s40/stack_micro.py [variant ...]"""
+its results wrong; run it alone: Triton's in-process cache would not see the change).
+python bench/results/s40/stack_micro.py [variant ...]"""
 import sys, torch, triton, triton.language as tl
 sys.path.insert(0, ".")
 import bcg.kernels.decode_stack as m
@@ -56,8 +57,6 @@ def time_variant(name, chunk, warps, no_barrier=False):
     k = next(iter(m._launch.compiled.values()))
     print(f"{name:28s} {min(times):8.1f} us/launch  {min(times)/L:6.2f} us/layer  regs {k.n_regs} "
           f"spills {k.n_spills}", flush=True)
-    if no_barrier:
-        m._decode_stack_kernel.fn.__globals__["_wait_for_all"] = m._wait_for_all
 
 
 # Weights alone: the bytes a launch reads, copied once by the device (a rate, not a kernel).
@@ -70,7 +69,7 @@ a.record(); buf.copy_(src); b.record(); torch.cuda.synchronize()
 print(f"weights {nbytes/1e6:.1f} MB; a device copy of them (read + write) {a.elapsed_time(b)*1000:.1f} us")
 variants = {"base 16k x8": (16384, 8), "chunk 32k x8": (32768, 8), "chunk 8k x8": (8192, 8),
             "chunk 16k x16": (16384, 16), "chunk 32k x16": (32768, 16), "chunk 8k x4": (8192, 4)}
-wanted = sys.argv[1:] or list(variants) + ["no barrier"]
+wanted = sys.argv[1:] or list(variants)
 for name in wanted:
     if name == "no barrier":
         time_variant(name, 16384, 8, no_barrier=True)
