@@ -49,6 +49,8 @@ WEIGHTS = ("qkv", "o", "gate_up", "down", "input_norm", "post_attention_norm", "
 # multiprocessors, what the HBM's latency needs to stream at full rate.
 CHUNK_ELEMENTS = 16384
 NUM_WARPS = 8
+L2_AHEAD = True  # experiment: ask L2 for the tile two phases ahead at each barrier
+POLL_LOADS = True  # experiment: wait with acquire loads, not atomics
 ATTENTION = DecodeConfig()  # the decode kernel's KV tile
 
 
@@ -199,18 +201,48 @@ def _constexprs(shape: StackShape, programs: int, kv_storage: torch.Tensor, cos:
         "GROUP_P2": next_power_of_2(group), "BLOCK_N": ATTENTION.block_n,
         "MAX_SPLITS": MAX_SPLITS,
         "SPLITS_PER_LOAD": max(1, MERGE_LOAD_VALUES // (next_power_of_2(group) * shape.head_dim)),
+        "L2_AHEAD": L2_AHEAD, "POLL_LOADS": POLL_LOADS,
     }
 
 
 @triton.jit
-def _wait_for_all(barrier_ptr, target):
+def _wait_for_all(barrier_ptr, target, POLL_LOADS: tl.constexpr):
     """Count this program in, then wait until the count reaches `target`."""
     tl.debug_barrier()  # every warp's stores before the one thread's release
     tl.atomic_add(barrier_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
+    if POLL_LOADS:
+        # Each thread waits on its own acquire loads: the count's L2 line serves loads at
+        # once, where 132 programs' atomics would queue.
+        seen = _load_acquire(barrier_ptr)
+        while seen < target:
+            seen = _load_acquire(barrier_ptr)
+    else:
         seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _load_acquire(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _ask_l2(w_ptr, start, valid, ELEMENTS: tl.constexpr, AHEAD: tl.constexpr):
+    """Ask L2 for the `ELEMENTS` weights from element `start` on (a 128-byte line a thread),
+    fire and forget: they stream from HBM while the program waits and works on the phases
+    before the one that reads them."""
+    if AHEAD:
+        LINES: tl.constexpr = (ELEMENTS + 63) // 64
+        for r in tl.static_range((LINES + 255) // 256):
+            lines = r * 256 + tl.arange(0, 256)
+            ok = (valid & (lines < LINES)).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; }\n"
+                " mov.u32 $0, 0;", "=r,l,r", [w_ptr + start + lines * 64, ok],
+                dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -317,6 +349,7 @@ def _decode_stack_kernel(
     TABLE_STRIDE: tl.constexpr,
     SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr,
+    L2_AHEAD: tl.constexpr, POLL_LOADS: tl.constexpr,
 ):
     dtype = h_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -350,6 +383,9 @@ def _decode_stack_kernel(
 
     w_qkv = _weight(weight_table, 0, 0, dtype)
     first_qkv = _weight_chunk(w_qkv, qkv_rows, 0, qkv_valid, HIDDEN, QKV_CHUNK)
+    _ask_l2(w_qkv, pid * QKV_TILE * HIDDEN, qkv_valid, QKV_TILE * HIDDEN, L2_AHEAD)
+    _ask_l2(_weight(weight_table, 0, 1, dtype), pid * O_TILE * Q_SIZE, o_valid, O_TILE * Q_SIZE,
+            L2_AHEAD)
     for layer in range(LAYERS):
         # 1. input norm, QKV projection
         inv_rms = _inverse_rms(h_ptr, eps, HIDDEN, HIDDEN_P2)
@@ -358,8 +394,13 @@ def _decode_stack_kernel(
         tl.store(qkv_ptr + qkv_rows, acc.to(dtype), mask=qkv_valid)
         w_o = _weight(weight_table, layer, 1, dtype)
         first_o = _weight_chunk(w_o, o_rows, 0, o_valid, Q_SIZE, O_CHUNK)
+        w_gate_up = _weight(weight_table, layer, 2, dtype)
+        _ask_l2(w_gate_up, pid * GATE_UP_TILE * HIDDEN, gate_up_valid, GATE_UP_TILE * HIDDEN,
+                L2_AHEAD)
+        _ask_l2(w_gate_up, (INTERMEDIATE + pid * GATE_UP_TILE) * HIDDEN, gate_up_valid,
+                GATE_UP_TILE * HIDDEN, L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target)
+        _wait_for_all(barrier_ptr, target, POLL_LOADS)
 
         # 2. q/k norms and rotation, the KV store, attention
         if attends:
@@ -384,18 +425,24 @@ def _decode_stack_kernel(
                 CACHE_BLOCK_STRIDE, KV_SIZE, HEAD_DIM, Q_SIZE, HEAD_DIM, NUM_HEADS, GROUP,
                 BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, GROUP_P2, MAX_SPLITS, SPLITS_PER_LOAD,
             )
+        w_down = _weight(weight_table, layer, 3, dtype)
+        _ask_l2(w_down, pid * DOWN_TILE * INTERMEDIATE, down_valid, DOWN_TILE * INTERMEDIATE,
+                L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target)
+        _wait_for_all(barrier_ptr, target, POLL_LOADS)
 
         # 3. o projection into the residual
         acc = _project(first_o, w_o, o_rows, o_valid, attn_ptr, attn_ptr, 1.0, Q_SIZE, O_CHUNK,
                        False)
         _add_into(h_ptr, o_rows, acc, o_valid)
-        w_gate_up = _weight(weight_table, layer, 2, dtype)
         first_gate_up = _weight_chunk(w_gate_up, gate_up_rows, 0, gate_up_valid, HIDDEN,
                                       GATE_UP_CHUNK)
+        more = layer + 1 < LAYERS
+        following = tl.minimum(layer + 1, LAYERS - 1)
+        _ask_l2(_weight(weight_table, following, 0, dtype), pid * QKV_TILE * HIDDEN,
+                qkv_valid & more, QKV_TILE * HIDDEN, L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target)
+        _wait_for_all(barrier_ptr, target, POLL_LOADS)
 
         # 4. post-attention norm, gate/up projection, SiLU-and-mul
         inv_rms = _inverse_rms(h_ptr, eps, HIDDEN, HIDDEN_P2)
@@ -406,21 +453,21 @@ def _decode_stack_kernel(
         act_cols = pid * GATE_UP_TILE + tl.arange(0, GATE_UP_TILE)
         tl.store(act_ptr + act_cols, (gate * tl.sigmoid(gate) * up).to(dtype),
                  mask=gate_up_valid)
-        w_down = _weight(weight_table, layer, 3, dtype)
         first_down = _weight_chunk(w_down, down_rows, 0, down_valid, INTERMEDIATE, DOWN_CHUNK)
+        _ask_l2(_weight(weight_table, following, 1, dtype), pid * O_TILE * Q_SIZE,
+                o_valid & more, O_TILE * Q_SIZE, L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target)
+        _wait_for_all(barrier_ptr, target, POLL_LOADS)
 
         # 5. down projection into the residual; the next layer's first QKV chunk
         acc = _project(first_down, w_down, down_rows, down_valid, act_ptr, act_ptr, 1.0,
                        INTERMEDIATE, DOWN_CHUNK, False)
         _add_into(h_ptr, down_rows, acc, down_valid)
-        more = layer + 1 < LAYERS
-        w_qkv = _weight(weight_table, tl.minimum(layer + 1, LAYERS - 1), 0, dtype)
+        w_qkv = _weight(weight_table, following, 0, dtype)
         first_qkv = _weight_chunk(w_qkv, qkv_rows, 0, qkv_valid & more, HIDDEN, QKV_CHUNK)
         if more:
             target += PROGRAMS
-            _wait_for_all(barrier_ptr, target)
+            _wait_for_all(barrier_ptr, target, POLL_LOADS)
 
 
 _launch = CachedLauncher(_decode_stack_kernel)

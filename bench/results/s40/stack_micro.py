@@ -35,8 +35,8 @@ def _no_wait(barrier_ptr, target):
     tl.debug_barrier()
 
 
-def time_variant(name, chunk, warps, no_barrier=False):
-    m.CHUNK_ELEMENTS, m.NUM_WARPS = chunk, warps
+def time_variant(name, chunk, warps, l2=False, poll_loads=False, no_barrier=False):
+    m.CHUNK_ELEMENTS, m.NUM_WARPS, m.L2_AHEAD, m.POLL_LOADS = chunk, warps, l2, poll_loads
     m._launch = m.CachedLauncher(m._decode_stack_kernel)
     if no_barrier:
         m._decode_stack_kernel.fn.__globals__["_wait_for_all"] = _no_wait
@@ -67,11 +67,13 @@ for _ in range(3): buf.copy_(src)
 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 a.record(); buf.copy_(src); b.record(); torch.cuda.synchronize()
 print(f"weights {nbytes/1e6:.1f} MB; a device copy of them (read + write) {a.elapsed_time(b)*1000:.1f} us")
-variants = {"base 16k x8": (16384, 8), "chunk 32k x8": (32768, 8), "chunk 8k x8": (8192, 8),
-            "chunk 16k x16": (16384, 16), "chunk 32k x16": (32768, 16), "chunk 8k x4": (8192, 4)}
+variants = {"base 16k x8": (16384, 8), "chunk 8k x8": (8192, 8),
+            "8k loads-poll": (8192, 8, False, True), "8k L2": (8192, 8, True, False),
+            "8k L2 loads-poll": (8192, 8, True, True), "16k L2 loads-poll": (16384, 8, True, True),
+            "4k L2 loads-poll": (4096, 8, True, True), "8k L2 loads-poll x4": (8192, 4, True, True)}
 wanted = sys.argv[1:] or list(variants)
 for name in wanted:
     if name == "no barrier":
-        time_variant(name, 16384, 8, no_barrier=True)
+        time_variant(name, 8192, 8, l2=True, poll_loads=True, no_barrier=True)
     else:
         time_variant(name, *variants[name])
