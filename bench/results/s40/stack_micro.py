@@ -31,7 +31,7 @@ hidden = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
 
 
 @triton.jit
-def _no_wait(barrier_ptr, target):
+def _no_wait(barrier_ptr, target, POLL_LOADS: tl.constexpr):
     tl.debug_barrier()
 
 
