@@ -47,10 +47,11 @@ WEIGHTS = ("qkv", "o", "gate_up", "down", "input_norm", "post_attention_norm", "
            "k_norm")
 # Weight elements a program loads at a time: 32 KB of bf16, about 4 MB in flight on 132
 # multiprocessors, what the HBM's latency needs to stream at full rate.
-CHUNK_ELEMENTS = 16384
+CHUNK_ELEMENTS = 8192
 NUM_WARPS = 8
-L2_AHEAD = True  # experiment: ask L2 for the tile two phases ahead at each barrier
-POLL_LOADS = True  # experiment: wait with acquire loads, not atomics
+L2_AHEAD = False  # experiment: ask L2 for the tile two phases ahead at each barrier
+POLL_LOADS = False  # experiment: wait with acquire loads, not atomics
+DEPTH = 1  # experiment: weight chunks loaded ahead of the one in use
 ATTENTION = DecodeConfig()  # the decode kernel's KV tile
 
 
@@ -201,7 +202,7 @@ def _constexprs(shape: StackShape, programs: int, kv_storage: torch.Tensor, cos:
         "GROUP_P2": next_power_of_2(group), "BLOCK_N": ATTENTION.block_n,
         "MAX_SPLITS": MAX_SPLITS,
         "SPLITS_PER_LOAD": max(1, MERGE_LOAD_VALUES // (next_power_of_2(group) * shape.head_dim)),
-        "L2_AHEAD": L2_AHEAD, "POLL_LOADS": POLL_LOADS,
+        "L2_AHEAD": L2_AHEAD, "POLL_LOADS": POLL_LOADS, "DEPTH": DEPTH,
     }
 
 
@@ -284,23 +285,32 @@ def _inverse_rms(h_ptr, eps, HIDDEN: tl.constexpr, HIDDEN_P2: tl.constexpr):
 
 @triton.jit
 def _project(first, w_ptr, rows, valid, x_ptr, norm_ptr, inv_rms, K: tl.constexpr,
-             CHUNK: tl.constexpr, NORMED: tl.constexpr):
+             CHUNK: tl.constexpr, NORMED: tl.constexpr, DEPTH: tl.constexpr):
     """`W[rows] @ x` in fp32, `first` being the tile's first weight chunk (loaded before the
-    barrier); each next chunk is loaded before the current one is used. `x` (normed by
-    `inv_rms` and the weight at `norm_ptr` if NORMED) is read past the L1 cache: other
-    programs wrote it."""
+    barrier); chunk c + DEPTH is loaded before chunk c is used. `x` (normed by `inv_rms` and
+    the weight at `norm_ptr` if NORMED) is read past the L1 cache: other programs wrote it."""
+    CHUNKS: tl.constexpr = K // CHUNK
     acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
     w = first
-    for c in tl.static_range(K // CHUNK):
-        if c + 1 < K // CHUNK:
-            w_next = _weight_chunk(w_ptr, rows, (c + 1) * CHUNK, valid, K, CHUNK)
+    if DEPTH == 2 and CHUNKS > 1:
+        w_next = _weight_chunk(w_ptr, rows, CHUNK, valid, K, CHUNK)
+    for c in tl.static_range(CHUNKS):
+        if DEPTH == 2:
+            if c + 2 < CHUNKS:
+                w_later = _weight_chunk(w_ptr, rows, (c + 2) * CHUNK, valid, K, CHUNK)
+        else:
+            if c + 1 < CHUNKS:
+                w_next = _weight_chunk(w_ptr, rows, (c + 1) * CHUNK, valid, K, CHUNK)
         ks = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + ks, cache_modifier=".cg").to(tl.float32)
         if NORMED:
             x = _normed(x * inv_rms, norm_ptr + ks, x_ptr.dtype.element_ty)
         acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-        if c + 1 < K // CHUNK:
+        if c + 1 < CHUNKS:
             w = w_next
+        if DEPTH == 2:
+            if c + 2 < CHUNKS:
+                w_next = w_later
     return acc
 
 
@@ -349,7 +359,7 @@ def _decode_stack_kernel(
     TABLE_STRIDE: tl.constexpr,
     SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr,
-    L2_AHEAD: tl.constexpr, POLL_LOADS: tl.constexpr,
+    L2_AHEAD: tl.constexpr, POLL_LOADS: tl.constexpr, DEPTH: tl.constexpr,
 ):
     dtype = h_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -390,7 +400,8 @@ def _decode_stack_kernel(
         # 1. input norm, QKV projection
         inv_rms = _inverse_rms(h_ptr, eps, HIDDEN, HIDDEN_P2)
         acc = _project(first_qkv, w_qkv, qkv_rows, qkv_valid, h_ptr,
-                       _weight(weight_table, layer, 4, dtype), inv_rms, HIDDEN, QKV_CHUNK, True)
+                       _weight(weight_table, layer, 4, dtype), inv_rms, HIDDEN, QKV_CHUNK, True,
+                       DEPTH)
         tl.store(qkv_ptr + qkv_rows, acc.to(dtype), mask=qkv_valid)
         w_o = _weight(weight_table, layer, 1, dtype)
         first_o = _weight_chunk(w_o, o_rows, 0, o_valid, Q_SIZE, O_CHUNK)
@@ -433,7 +444,7 @@ def _decode_stack_kernel(
 
         # 3. o projection into the residual
         acc = _project(first_o, w_o, o_rows, o_valid, attn_ptr, attn_ptr, 1.0, Q_SIZE, O_CHUNK,
-                       False)
+                       False, DEPTH)
         _add_into(h_ptr, o_rows, acc, o_valid)
         first_gate_up = _weight_chunk(w_gate_up, gate_up_rows, 0, gate_up_valid, HIDDEN,
                                       GATE_UP_CHUNK)
@@ -448,7 +459,7 @@ def _decode_stack_kernel(
         inv_rms = _inverse_rms(h_ptr, eps, HIDDEN, HIDDEN_P2)
         acc = _project(first_gate_up, w_gate_up, gate_up_rows, gate_up_valid, h_ptr,
                        _weight(weight_table, layer, 5, dtype), inv_rms, HIDDEN, GATE_UP_CHUNK,
-                       True)
+                       True, DEPTH)
         gate, up = tl.split(tl.reshape(acc, [GATE_UP_TILE, 2]))
         act_cols = pid * GATE_UP_TILE + tl.arange(0, GATE_UP_TILE)
         tl.store(act_ptr + act_cols, (gate * tl.sigmoid(gate) * up).to(dtype),
@@ -461,7 +472,7 @@ def _decode_stack_kernel(
 
         # 5. down projection into the residual; the next layer's first QKV chunk
         acc = _project(first_down, w_down, down_rows, down_valid, act_ptr, act_ptr, 1.0,
-                       INTERMEDIATE, DOWN_CHUNK, False)
+                       INTERMEDIATE, DOWN_CHUNK, False, DEPTH)
         _add_into(h_ptr, down_rows, acc, down_valid)
         w_qkv = _weight(weight_table, following, 0, dtype)
         first_qkv = _weight_chunk(w_qkv, qkv_rows, 0, qkv_valid & more, HIDDEN, QKV_CHUNK)

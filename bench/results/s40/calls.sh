@@ -14,7 +14,7 @@ case "$1" in
   a) run stack_tests 300 python -m pytest -q -x -p no:cacheprovider tests/test_decode_stack_gpu.py
      tail -30 $OUT/stack_tests.log
      for round in 1 2; do for s in 0 1; do decode qwen3-0.6b $s $round; done; done ;;
-  b) run micro 300 python bench/results/s40/stack_micro.py; cat $OUT/micro.log
+  b) run micro 300 python bench/results/s40/stack_micro.py $VARIANTS; cat $OUT/micro.log
      run micro_nobarrier 120 python bench/results/s40/stack_micro.py "no barrier"
      cat $OUT/micro_nobarrier.log ;;
 esac

@@ -35,8 +35,9 @@ def _no_wait(barrier_ptr, target, POLL_LOADS: tl.constexpr):
     tl.debug_barrier()
 
 
-def time_variant(name, chunk, warps, l2=False, poll_loads=False, no_barrier=False):
+def time_variant(name, chunk, warps, l2=False, poll_loads=False, depth=1, no_barrier=False):
     m.CHUNK_ELEMENTS, m.NUM_WARPS, m.L2_AHEAD, m.POLL_LOADS = chunk, warps, l2, poll_loads
+    m.DEPTH = depth
     m._launch = m.CachedLauncher(m._decode_stack_kernel)
     if no_barrier:
         m._decode_stack_kernel.fn.__globals__["_wait_for_all"] = _no_wait
@@ -70,10 +71,13 @@ print(f"weights {nbytes/1e6:.1f} MB; a device copy of them (read + write) {a.ela
 variants = {"base 16k x8": (16384, 8), "chunk 8k x8": (8192, 8),
             "8k loads-poll": (8192, 8, False, True), "8k L2": (8192, 8, True, False),
             "8k L2 loads-poll": (8192, 8, True, True), "16k L2 loads-poll": (16384, 8, True, True),
-            "4k L2 loads-poll": (4096, 8, True, True), "8k L2 loads-poll x4": (8192, 4, True, True)}
+            "4k L2 loads-poll": (4096, 8, True, True), "8k L2 loads-poll x4": (8192, 4, True, True),
+            "4k": (4096, 8), "8k depth 2": (8192, 8, False, False, 2),
+            "4k depth 2": (4096, 8, False, False, 2), "8k x4": (8192, 4),
+            "8k depth 2 x4": (8192, 4, False, False, 2), "16k depth 2": (16384, 8, False, False, 2)}
 wanted = sys.argv[1:] or list(variants)
 for name in wanted:
     if name == "no barrier":
-        time_variant(name, 8192, 8, l2=True, poll_loads=True, no_barrier=True)
+        time_variant(name, 8192, 8, no_barrier=True)
     else:
         time_variant(name, *variants[name])
