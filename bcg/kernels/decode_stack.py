@@ -45,13 +45,13 @@ from bcg.kernels.decode_attention import (
 # The per-layer weights, in the order of the pointer table's columns.
 WEIGHTS = ("qkv", "o", "gate_up", "down", "input_norm", "post_attention_norm", "q_norm",
            "k_norm")
-# Weight elements a program loads at a time: 32 KB of bf16, about 4 MB in flight on 132
-# multiprocessors, what the HBM's latency needs to stream at full rate.
+# Weights a program loads at a time (the next chunk while it uses one): on an H100, 8192
+# (16 KB of bf16) ran 3% faster than 16384 and 6% faster than 4096 (bench/results/s40).
 CHUNK_ELEMENTS = 8192
 NUM_WARPS = 8
-L2_AHEAD = False  # experiment: ask L2 for the tile two phases ahead at each barrier
-POLL_LOADS = False  # experiment: wait with acquire loads, not atomics
-DEPTH = 1  # experiment: weight chunks loaded ahead of the one in use
+# Past this many weights a program a phase (qwen3-0.6b's gate/up tile), the per-op path's
+# kernels stream the weights as fast and the launches weigh less.
+MAX_TILE_WEIGHTS = 65536
 ATTENTION = DecodeConfig()  # the decode kernel's KV tile
 
 
@@ -76,11 +76,11 @@ def unsupported_reason(shape: StackShape, programs: int) -> str | None:
     """Why the kernel cannot run `shape` on `programs` multiprocessors, or None."""
     if shape.head_dim & (shape.head_dim - 1) or shape.num_heads % shape.num_kv_heads:
         return "head_dim must be a power of two and the query heads a multiple of the KV heads"
-    if shape.num_kv_heads > programs:
-        return f"more KV heads ({shape.num_kv_heads}) than multiprocessors ({programs})"
     for name, rows, k in _projections(shape):
-        if _column_tile(rows, programs) * k > 4 * CHUNK_ELEMENTS * 8:
-            return f"the {name} projection's column tile would hold too many weights"
+        if _tile_rows_of(name, _column_tile(rows, programs)) * k > MAX_TILE_WEIGHTS:
+            return (f"the {name} projection ({rows} x {k}) cuts into tiles of more than "
+                    f"{MAX_TILE_WEIGHTS} weights a program (a larger model: its layers run "
+                    "one by one)")
         if k % 8 or rows % _column_tile(rows, programs):
             return (f"the {name} projection ({rows} x {k}) does not cut into whole tiles "
                     "(its input size must be a multiple of 8)")
@@ -93,6 +93,11 @@ def _projections(shape: StackShape) -> list[tuple[str, int, int]]:
             ("o", shape.hidden, shape.num_heads * shape.head_dim),
             ("gate_up", shape.intermediate, shape.hidden),
             ("down", shape.hidden, shape.intermediate)]
+
+
+def _tile_rows_of(name: str, tile: int) -> int:
+    """Weight rows a program reads for a tile of `tile` columns (gate and up: twice)."""
+    return 2 * tile if name == "gate_up" else tile
 
 
 def _column_tile(columns: int, programs: int) -> int:
@@ -121,16 +126,11 @@ class StackWorkspace:
 
 
 def make_workspace(shape: StackShape, dtype: torch.dtype, device: torch.device) -> StackWorkspace:
-    splits = _attention_splits(shape, multiprocessor_count(device))
     empty = [torch.empty(n, dtype=dtype, device=device) for n in
              (shape.qkv_size, shape.num_heads * shape.head_dim, shape.intermediate)]
     return StackWorkspace(*empty, torch.zeros(1, dtype=torch.int64, device=device),
                           plan_decode(1, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                                      device, config=ATTENTION, num_splits=splits))
-
-
-def _attention_splits(shape: StackShape, programs: int) -> int:
-    return max(1, min(MAX_SPLITS, programs // shape.num_kv_heads))
+                                      device, config=ATTENTION, num_splits=MAX_SPLITS))
 
 
 def decode_stack(
@@ -181,8 +181,7 @@ def _constexprs(shape: StackShape, programs: int, kv_storage: torch.Tensor, cos:
     tiles = {}
     for name, rows, k in _projections(shape):
         tile = _column_tile(rows, programs)
-        tile_rows = 2 * tile if name == "gate_up" else tile
-        tiles[name] = (tile, _chunk_width(tile_rows, k))
+        tiles[name] = (tile, _chunk_width(_tile_rows_of(name, tile), k))
     group = shape.num_heads // shape.num_kv_heads
     _, layers, _, block_size, _, _ = kv_storage.shape
     return {
@@ -202,48 +201,18 @@ def _constexprs(shape: StackShape, programs: int, kv_storage: torch.Tensor, cos:
         "GROUP_P2": next_power_of_2(group), "BLOCK_N": ATTENTION.block_n,
         "MAX_SPLITS": MAX_SPLITS,
         "SPLITS_PER_LOAD": max(1, MERGE_LOAD_VALUES // (next_power_of_2(group) * shape.head_dim)),
-        "L2_AHEAD": L2_AHEAD, "POLL_LOADS": POLL_LOADS, "DEPTH": DEPTH,
     }
 
 
 @triton.jit
-def _wait_for_all(barrier_ptr, target, POLL_LOADS: tl.constexpr):
+def _wait_for_all(barrier_ptr, target):
     """Count this program in, then wait until the count reaches `target`."""
     tl.debug_barrier()  # every warp's stores before the one thread's release
     tl.atomic_add(barrier_ptr, 1, sem="release", scope="gpu")
-    if POLL_LOADS:
-        # Each thread waits on its own acquire loads: the count's L2 line serves loads at
-        # once, where 132 programs' atomics would queue.
-        seen = _load_acquire(barrier_ptr)
-        while seen < target:
-            seen = _load_acquire(barrier_ptr)
-    else:
+    seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
         seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-
-
-@triton.jit
-def _load_acquire(ptr):
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr],
-                                     dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _ask_l2(w_ptr, start, valid, ELEMENTS: tl.constexpr, AHEAD: tl.constexpr):
-    """Ask L2 for the `ELEMENTS` weights from element `start` on (a 128-byte line a thread),
-    fire and forget: they stream from HBM while the program waits and works on the phases
-    before the one that reads them."""
-    if AHEAD:
-        LINES: tl.constexpr = (ELEMENTS + 63) // 64
-        for r in tl.static_range((LINES + 255) // 256):
-            lines = r * 256 + tl.arange(0, 256)
-            ok = (valid & (lines < LINES)).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; }\n"
-                " mov.u32 $0, 0;", "=r,l,r", [w_ptr + start + lines * 64, ok],
-                dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -285,32 +254,23 @@ def _inverse_rms(h_ptr, eps, HIDDEN: tl.constexpr, HIDDEN_P2: tl.constexpr):
 
 @triton.jit
 def _project(first, w_ptr, rows, valid, x_ptr, norm_ptr, inv_rms, K: tl.constexpr,
-             CHUNK: tl.constexpr, NORMED: tl.constexpr, DEPTH: tl.constexpr):
+             CHUNK: tl.constexpr, NORMED: tl.constexpr):
     """`W[rows] @ x` in fp32, `first` being the tile's first weight chunk (loaded before the
-    barrier); chunk c + DEPTH is loaded before chunk c is used. `x` (normed by `inv_rms` and
-    the weight at `norm_ptr` if NORMED) is read past the L1 cache: other programs wrote it."""
-    CHUNKS: tl.constexpr = K // CHUNK
+    barrier); each next chunk is loaded before the current one is used (two in flight ran
+    no faster). `x` (normed by `inv_rms` and the weight at `norm_ptr` if NORMED) is read
+    past the L1 cache: other programs wrote it."""
     acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
     w = first
-    if DEPTH == 2 and CHUNKS > 1:
-        w_next = _weight_chunk(w_ptr, rows, CHUNK, valid, K, CHUNK)
-    for c in tl.static_range(CHUNKS):
-        if DEPTH == 2:
-            if c + 2 < CHUNKS:
-                w_later = _weight_chunk(w_ptr, rows, (c + 2) * CHUNK, valid, K, CHUNK)
-        else:
-            if c + 1 < CHUNKS:
-                w_next = _weight_chunk(w_ptr, rows, (c + 1) * CHUNK, valid, K, CHUNK)
+    for c in tl.static_range(K // CHUNK):
+        if c + 1 < K // CHUNK:
+            w_next = _weight_chunk(w_ptr, rows, (c + 1) * CHUNK, valid, K, CHUNK)
         ks = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + ks, cache_modifier=".cg").to(tl.float32)
         if NORMED:
             x = _normed(x * inv_rms, norm_ptr + ks, x_ptr.dtype.element_ty)
         acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-        if c + 1 < CHUNKS:
+        if c + 1 < K // CHUNK:
             w = w_next
-        if DEPTH == 2:
-            if c + 2 < CHUNKS:
-                w_next = w_later
     return acc
 
 
@@ -359,7 +319,6 @@ def _decode_stack_kernel(
     TABLE_STRIDE: tl.constexpr,
     SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr,
-    L2_AHEAD: tl.constexpr, POLL_LOADS: tl.constexpr, DEPTH: tl.constexpr,
 ):
     dtype = h_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -383,43 +342,36 @@ def _decode_stack_kernel(
     dims = tl.arange(0, HEAD_DIM)
     cos = tl.load(cos_ptr + position * TABLE_STRIDE + dims % (HEAD_DIM // 2))
     sin = tl.load(sin_ptr + position * TABLE_STRIDE + dims % (HEAD_DIM // 2))
-    kv_head = pid // SPLITS
-    split = pid % SPLITS
-    attends = pid < NUM_KV_HEADS * SPLITS
     group_rows = tl.arange(0, BLOCK_H)
-    # The split whose chunk holds the new position stores its key and value.
+    # Each split covers `chunk` positions (as attend_split cuts them); the one holding the new
+    # position stores its key and value.
     chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N), 1) * BLOCK_N
-    stores_kv = (split * chunk < seq_len) & (seq_len <= split * chunk + chunk) & (slot >= 0)
+    splits_used = tl.cdiv(seq_len, chunk)
 
     w_qkv = _weight(weight_table, 0, 0, dtype)
     first_qkv = _weight_chunk(w_qkv, qkv_rows, 0, qkv_valid, HIDDEN, QKV_CHUNK)
-    _ask_l2(w_qkv, pid * QKV_TILE * HIDDEN, qkv_valid, QKV_TILE * HIDDEN, L2_AHEAD)
-    _ask_l2(_weight(weight_table, 0, 1, dtype), pid * O_TILE * Q_SIZE, o_valid, O_TILE * Q_SIZE,
-            L2_AHEAD)
     for layer in range(LAYERS):
         # 1. input norm, QKV projection
         inv_rms = _inverse_rms(h_ptr, eps, HIDDEN, HIDDEN_P2)
         acc = _project(first_qkv, w_qkv, qkv_rows, qkv_valid, h_ptr,
-                       _weight(weight_table, layer, 4, dtype), inv_rms, HIDDEN, QKV_CHUNK, True,
-                       DEPTH)
+                       _weight(weight_table, layer, 4, dtype), inv_rms, HIDDEN, QKV_CHUNK, True)
         tl.store(qkv_ptr + qkv_rows, acc.to(dtype), mask=qkv_valid)
         w_o = _weight(weight_table, layer, 1, dtype)
         first_o = _weight_chunk(w_o, o_rows, 0, o_valid, Q_SIZE, O_CHUNK)
         w_gate_up = _weight(weight_table, layer, 2, dtype)
-        _ask_l2(w_gate_up, pid * GATE_UP_TILE * HIDDEN, gate_up_valid, GATE_UP_TILE * HIDDEN,
-                L2_AHEAD)
-        _ask_l2(w_gate_up, (INTERMEDIATE + pid * GATE_UP_TILE) * HIDDEN, gate_up_valid,
-                GATE_UP_TILE * HIDDEN, L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target, POLL_LOADS)
+        _wait_for_all(barrier_ptr, target)
 
-        # 2. q/k norms and rotation, the KV store, attention
-        if attends:
-            k_cache = kv_ptr + layer.to(tl.int64) * KV_LAYER_STRIDE
+        # 2. q/k norms and rotation, the KV store, attention: (KV head, split) items of the
+        # splits in use, shared out over the programs
+        k_cache = kv_ptr + layer.to(tl.int64) * KV_LAYER_STRIDE
+        for item in range(pid, NUM_KV_HEADS * splits_used, PROGRAMS):
+            kv_head = item // splits_used
+            split = item % splits_used
             q = _rotated_heads(qkv_ptr, kv_head * GROUP + group_rows, group_rows < GROUP, cos,
                                sin, _weight(weight_table, layer, 6, dtype), eps, QK_NORM,
                                HEAD_DIM)
-            if stores_kv:
+            if (split == splits_used - 1) & (slot >= 0):
                 k = _rotated_heads(qkv_ptr + Q_SIZE, kv_head + group_rows * 0, group_rows < 1,
                                    cos, sin, _weight(weight_table, layer, 7, dtype), eps,
                                    QK_NORM, HEAD_DIM)
@@ -437,48 +389,42 @@ def _decode_stack_kernel(
                 BLOCK_H, HEAD_DIM, PAGE, BLOCK_N, GROUP_P2, MAX_SPLITS, SPLITS_PER_LOAD,
             )
         w_down = _weight(weight_table, layer, 3, dtype)
-        _ask_l2(w_down, pid * DOWN_TILE * INTERMEDIATE, down_valid, DOWN_TILE * INTERMEDIATE,
-                L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target, POLL_LOADS)
+        _wait_for_all(barrier_ptr, target)
 
         # 3. o projection into the residual
         acc = _project(first_o, w_o, o_rows, o_valid, attn_ptr, attn_ptr, 1.0, Q_SIZE, O_CHUNK,
-                       False, DEPTH)
+                       False)
         _add_into(h_ptr, o_rows, acc, o_valid)
         first_gate_up = _weight_chunk(w_gate_up, gate_up_rows, 0, gate_up_valid, HIDDEN,
                                       GATE_UP_CHUNK)
         more = layer + 1 < LAYERS
         following = tl.minimum(layer + 1, LAYERS - 1)
-        _ask_l2(_weight(weight_table, following, 0, dtype), pid * QKV_TILE * HIDDEN,
-                qkv_valid & more, QKV_TILE * HIDDEN, L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target, POLL_LOADS)
+        _wait_for_all(barrier_ptr, target)
 
         # 4. post-attention norm, gate/up projection, SiLU-and-mul
         inv_rms = _inverse_rms(h_ptr, eps, HIDDEN, HIDDEN_P2)
         acc = _project(first_gate_up, w_gate_up, gate_up_rows, gate_up_valid, h_ptr,
                        _weight(weight_table, layer, 5, dtype), inv_rms, HIDDEN, GATE_UP_CHUNK,
-                       True, DEPTH)
+                       True)
         gate, up = tl.split(tl.reshape(acc, [GATE_UP_TILE, 2]))
         act_cols = pid * GATE_UP_TILE + tl.arange(0, GATE_UP_TILE)
         tl.store(act_ptr + act_cols, (gate * tl.sigmoid(gate) * up).to(dtype),
                  mask=gate_up_valid)
         first_down = _weight_chunk(w_down, down_rows, 0, down_valid, INTERMEDIATE, DOWN_CHUNK)
-        _ask_l2(_weight(weight_table, following, 1, dtype), pid * O_TILE * Q_SIZE,
-                o_valid & more, O_TILE * Q_SIZE, L2_AHEAD)
         target += PROGRAMS
-        _wait_for_all(barrier_ptr, target, POLL_LOADS)
+        _wait_for_all(barrier_ptr, target)
 
         # 5. down projection into the residual; the next layer's first QKV chunk
         acc = _project(first_down, w_down, down_rows, down_valid, act_ptr, act_ptr, 1.0,
-                       INTERMEDIATE, DOWN_CHUNK, False, DEPTH)
+                       INTERMEDIATE, DOWN_CHUNK, False)
         _add_into(h_ptr, down_rows, acc, down_valid)
         w_qkv = _weight(weight_table, following, 0, dtype)
         first_qkv = _weight_chunk(w_qkv, qkv_rows, 0, qkv_valid & more, HIDDEN, QKV_CHUNK)
         if more:
             target += PROGRAMS
-            _wait_for_all(barrier_ptr, target, POLL_LOADS)
+            _wait_for_all(barrier_ptr, target)
 
 
 _launch = CachedLauncher(_decode_stack_kernel)

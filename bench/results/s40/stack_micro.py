@@ -31,13 +31,14 @@ hidden = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
 
 
 @triton.jit
-def _no_wait(barrier_ptr, target, POLL_LOADS: tl.constexpr):
+def _no_wait(barrier_ptr, target):
     tl.debug_barrier()
 
 
-def time_variant(name, chunk, warps, l2=False, poll_loads=False, depth=1, no_barrier=False):
-    m.CHUNK_ELEMENTS, m.NUM_WARPS, m.L2_AHEAD, m.POLL_LOADS = chunk, warps, l2, poll_loads
-    m.DEPTH = depth
+def time_variant(name, chunk, warps, no_barrier=False):
+    """(The L2 asks, load polls and two chunks in flight of calls b and c were flags of the
+    kernel then, removed after these runs.)"""
+    m.CHUNK_ELEMENTS, m.NUM_WARPS = chunk, warps
     m._launch = m.CachedLauncher(m._decode_stack_kernel)
     if no_barrier:
         m._decode_stack_kernel.fn.__globals__["_wait_for_all"] = _no_wait
@@ -68,13 +69,7 @@ for _ in range(3): buf.copy_(src)
 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 a.record(); buf.copy_(src); b.record(); torch.cuda.synchronize()
 print(f"weights {nbytes/1e6:.1f} MB; a device copy of them (read + write) {a.elapsed_time(b)*1000:.1f} us")
-variants = {"base 16k x8": (16384, 8), "chunk 8k x8": (8192, 8),
-            "8k loads-poll": (8192, 8, False, True), "8k L2": (8192, 8, True, False),
-            "8k L2 loads-poll": (8192, 8, True, True), "16k L2 loads-poll": (16384, 8, True, True),
-            "4k L2 loads-poll": (4096, 8, True, True), "8k L2 loads-poll x4": (8192, 4, True, True),
-            "4k": (4096, 8), "8k depth 2": (8192, 8, False, False, 2),
-            "4k depth 2": (4096, 8, False, False, 2), "8k x4": (8192, 4),
-            "8k depth 2 x4": (8192, 4, False, False, 2), "16k depth 2": (16384, 8, False, False, 2)}
+variants = {"chunk 8k x8": (8192, 8), "chunk 16k x8": (16384, 8)}
 wanted = sys.argv[1:] or list(variants)
 for name in wanted:
     if name == "no barrier":
