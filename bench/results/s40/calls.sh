@@ -3,6 +3,8 @@
 #   a  one H100: the fused decode stack's GPU tests, then bench_decode (qwen3-0.6b, overlapped
 #      full graphs) with the stack off / on, alternating
 #   b  same machine: the kernel alone on qwen3-0.6b's shapes, variants of its tiling
+#   c  one H100, the final kernel: its GPU tests, decode attention's and PDL's, the one-GPU
+#      model and runner files, then bench_decode with the stack off / on, alternating
 source bench/results/hang_s29/common.sh
 export OUT_ALL=$OUT OUT=/tmp/out && mkdir -p /tmp/out
 decode() {  # model switch round
@@ -17,5 +19,13 @@ case "$1" in
   b) run micro 300 python bench/results/s40/stack_micro.py $VARIANTS; cat $OUT/micro.log
      run micro_nobarrier 120 python bench/results/s40/stack_micro.py "no barrier"
      cat $OUT/micro_nobarrier.log ;;
+  c) run stack_tests 200 python -m pytest -q -p no:cacheprovider tests/test_decode_stack_gpu.py \
+       tests/test_kernels_decode_attention.py tests/test_kernels_pdl.py
+     run runners 330 python -m pytest -q -p no:cacheprovider tests/test_graph_runners_gpu.py \
+       tests/test_engine_generate.py tests/test_overlap.py
+     for round in 1 2; do for s in 0 1; do decode qwen3-0.6b $s $round; done; done ;;
+  d) run models_hf 250 python -m pytest -q -p no:cacheprovider -m gpu tests/test_models_hf.py \
+       tests/test_graph_gpu.py tests/test_step_op.py
+     run micro 200 python bench/results/s40/stack_micro.py ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C /tmp/out .
