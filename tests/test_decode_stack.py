@@ -2,18 +2,17 @@
 them, and the switch that turns it off (the kernel itself: test_decode_stack_gpu.py)."""
 
 import pytest
+import torch
 
-import bcg.layers.decode_stack as decode_stack_layer
 from bcg.kernels.decode_stack import StackShape, _constexprs, unsupported_reason
 from bcg.utils import switch_from_environment
+from tests.hf_tiny import PagedHarness, save_tiny_model
 
 QWEN3_0_6B = StackShape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                         intermediate=3072, qk_norm=True)
 
 
 def test_qwen3_0_6b_cuts_into_one_tile_a_program_on_an_h100():
-    import torch
-
     storage = torch.empty(2, 28, 100, 16, 8, 128, device="meta")
     cos = torch.empty(4096, 64, device="meta")
     assert unsupported_reason(QWEN3_0_6B, programs=132) is None
@@ -40,11 +39,12 @@ def test_a_model_it_cannot_tile_is_named():
     assert "whole tiles" in unsupported_reason(odd_hidden, programs=132)
 
 
-def test_the_stack_never_runs_off_cuda():
-    import torch
-
-    stack = decode_stack_layer.FusedDecodeStack(None, None, None)
-    assert not stack.runs(torch.zeros(1, 64))
+def test_the_stack_is_never_prepared_off_cuda(tmp_path):
+    save_tiny_model("qwen3", tmp_path)
+    h = PagedHarness(tmp_path, device="cpu", dtype="bfloat16")
+    stack = h.runner.model.model.fused_decode
+    assert stack._workspace is None
+    assert not stack.runs(torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
 def test_its_switch_reads_like_bcg_pdl():

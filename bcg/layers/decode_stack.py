@@ -16,7 +16,6 @@ from torch import nn
 
 from bcg.distributed.parallel_state import tensor_parallel
 from bcg.forward import get_forward_context
-from bcg.graph import CaptureNeedsWarmUp
 from bcg.layers import triton_ops
 from bcg.layers.norm import RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
@@ -26,52 +25,52 @@ SWITCHED_ON = switch_from_environment(os.environ.get("BCG_DECODE_STACK"), "BCG_D
 
 
 class FusedDecodeStack:
-    """The layers of a `LlamaModel` as the fused kernel takes them: `runs(hidden)` says
-    whether this forward may use it, `__call__` runs every layer and the final norm."""
+    """The layers of a `LlamaModel` as the fused kernel takes them: `prepare()` once the
+    weights are loaded, then `runs(hidden)` says whether a forward may use it and `__call__`
+    runs every layer and the final norm."""
 
     def __init__(self, layers: nn.ModuleList, final_norm: RMSNorm,
                  rotary: RotaryEmbedding) -> None:
         self.layers, self.final_norm, self.rotary = layers, final_norm, rotary
-        self._fits_device: dict[torch.device, bool] = {}
         self._shape = None
         self._table: torch.Tensor | None = None
         self._workspace = None
 
+    def prepare(self) -> None:
+        """Build the weight table and the buffers, where the stack can run: at load time,
+        outside any graph capture, so no captured graph or break owns them."""
+        weight = self.final_norm.weight
+        if not (SWITCHED_ON and weight.is_cuda and weight.dtype in (torch.bfloat16,
+                                                                   torch.float16)):
+            return
+        if tensor_parallel().size != 1 or not all(_plain(layer) for layer in self.layers):
+            return
+        shape = _shape(self.layers, self.final_norm)
+        programs = triton_ops.multiprocessor_count(weight.device)
+        if triton_ops.decode_stack_unsupported(shape, programs) is not None:
+            return
+        self._shape = shape
+        self._table = _weight_table(self.layers, weight.dtype)
+        self._workspace = triton_ops.make_workspace(shape, weight.dtype, weight.device)
+
     def runs(self, hidden: torch.Tensor) -> bool:
         """Whether this forward (embedded tokens `hidden`) runs as one launch."""
-        if not (SWITCHED_ON and hidden.is_cuda and hidden.shape[0] == 1
-                and hidden.dtype in (torch.bfloat16, torch.float16)
+        if not (SWITCHED_ON and self._workspace is not None and hidden.shape[0] == 1
+                and hidden.dtype == self.final_norm.weight.dtype
                 and not torch.compiler.is_compiling()):
             return False
         context = get_forward_context()
         # A decode step, and not inside a prefill graph (its segments serve any batch).
-        if not (context.rotary_may_store_kv and context.batch.is_decode):
-            return False
-        if hidden.device not in self._fits_device:
-            self._fits_device[hidden.device] = self._fits(hidden.device)
-        return self._fits_device[hidden.device]
-
-    def _fits(self, device: torch.device) -> bool:
-        if tensor_parallel().size != 1 or not all(_plain(layer) for layer in self.layers):
-            return False
-        self._shape = _shape(self.layers, self.final_norm)
-        programs = triton_ops.multiprocessor_count(device)
-        return triton_ops.decode_stack_unsupported(self._shape, programs) is None
+        return context.rotary_may_store_kv and context.batch.is_decode
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every layer on `hidden` (in place), then the final norm."""
         context = get_forward_context()
         batch = context.batch
-        if self._workspace is None:
-            if torch.cuda.is_current_stream_capturing():  # its buffers outlive any graph
-                raise CaptureNeedsWarmUp("the fused decode stack builds its buffers on its "
-                                         "first call: run the captured code once eagerly first")
-            self._workspace = triton_ops.make_workspace(self._shape, hidden.dtype, hidden.device)
-            self._table = _weight_table(self.layers, hidden.dtype)
         triton_ops.decode_stack(
             hidden, positions, batch.slot_mapping, batch.seq_lens, batch.block_tables,
-            self._table, context.kv_cache.storage, self.rotary.cos,
-            self.rotary.sin, self._workspace, self._shape, self.final_norm.eps)
+            self._table, context.kv_cache.storage, self.rotary.cos, self.rotary.sin,
+            self._workspace, self._shape, self.final_norm.eps)
         return self.final_norm(hidden)
 
 

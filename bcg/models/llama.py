@@ -126,6 +126,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_decode = FusedDecodeStack(self.layers, self.norm, self.rotary)
 
+    def process_weights_after_loading(self) -> None:
+        self.fused_decode.prepare()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         if self.fused_decode.runs(hidden_states):
