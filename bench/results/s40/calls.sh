@@ -3,6 +3,8 @@
 #   a  one H100: the fused decode stack's GPU tests, then bench_decode (qwen3-0.6b, overlapped
 #      full graphs) with the stack off / on, alternating
 #   b  same machine: the kernel alone on qwen3-0.6b's shapes, variants of its tiling
+#   d  one H100, buffers built at load time (call c's debug-mode failures): the stack's tests,
+#      the graph runners' and the one-GPU model files
 #   c  one H100, the final kernel: its GPU tests, decode attention's and PDL's, the one-GPU
 #      model and runner files, then bench_decode with the stack off / on, alternating
 source bench/results/hang_s29/common.sh
@@ -24,8 +26,9 @@ case "$1" in
      run runners 330 python -m pytest -q -p no:cacheprovider tests/test_graph_runners_gpu.py \
        tests/test_engine_generate.py tests/test_overlap.py
      for round in 1 2; do for s in 0 1; do decode qwen3-0.6b $s $round; done; done ;;
-  d) run models_hf 250 python -m pytest -q -p no:cacheprovider -m gpu tests/test_models_hf.py \
-       tests/test_graph_gpu.py tests/test_step_op.py
-     run micro 200 python bench/results/s40/stack_micro.py ;;
+  d) run stack_tests 150 python -m pytest -q -p no:cacheprovider tests/test_decode_stack_gpu.py
+     run runners 300 python -m pytest -q -p no:cacheprovider tests/test_graph_runners_gpu.py
+     run models_hf 130 python -m pytest -q -p no:cacheprovider -m gpu tests/test_models_hf.py \
+       tests/test_graph_gpu.py ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C /tmp/out .
