@@ -1,8 +1,9 @@
 """The fused decode stack (every layer of a one-sequence decode step in one launch) against
 the layers run one by one, on random Llama and Qwen3 models in bf16 on CUDA: the tiny test
-models, and a Qwen3 of qwen3-0.6b's layer sizes (two layers), whose projections cut into
-several chunks a program. Each case prefills a prompt, then decodes several steps, so the
-keys and values the kernel stored feed the steps after it; eager steps and full decode graphs.
+models, a Qwen3 of qwen3-0.6b's layer sizes and a Llama of SmolLM2-135M's (two layers each),
+whose projections cut into several chunks a program. Each case prefills a prompt, then decodes
+several steps, so the keys and values the kernel stored feed the steps after it; eager steps
+and full decode graphs.
 """
 
 from functools import cache
@@ -23,6 +24,9 @@ MODELS = {
     "qwen3-0.6b-layers": ("qwen3", dict(hidden_size=1024, intermediate_size=3072,
                                         num_attention_heads=16, num_key_value_heads=8,
                                         head_dim=128)),
+    # SmolLM2-135M's (the built-in model): groups of three query heads, head_dim 64
+    "smollm2-layers": ("llama", dict(hidden_size=576, intermediate_size=1536,
+                                     num_attention_heads=9, num_key_value_heads=3, head_dim=64)),
 }
 MODES = {"eager": dict(prefill_graph="none", decode_graph="none"),
          "full graph": dict(prefill_graph="breakable", decode_graph="full")}
