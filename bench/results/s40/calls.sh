@@ -5,6 +5,8 @@
 #   b  same machine: the kernel alone on qwen3-0.6b's shapes, variants of its tiling
 #   d  one H100, buffers built at load time (call c's debug-mode failures): the stack's tests,
 #      the graph runners' and the one-GPU model files
+#   e  one H100, the code as merged: the stack's tests (a SmolLM2-shaped model added), the
+#      engine's and overlap's, then bench_decode with the stack off / on, alternating (JSON)
 #   c  one H100, the final kernel: its GPU tests, decode attention's and PDL's, the one-GPU
 #      model and runner files, then bench_decode with the stack off / on, alternating
 source bench/results/hang_s29/common.sh
@@ -30,5 +32,9 @@ case "$1" in
      run runners 300 python -m pytest -q -p no:cacheprovider tests/test_graph_runners_gpu.py
      run models_hf 130 python -m pytest -q -p no:cacheprovider -m gpu tests/test_models_hf.py \
        tests/test_graph_gpu.py ;;
+  e) run stack_tests 200 python -m pytest -q -p no:cacheprovider tests/test_decode_stack_gpu.py \
+       tests/test_engine_generate.py tests/test_overlap.py
+     for round in 1 2; do for s in 0 1; do decode qwen3-0.6b $s $round; done; done
+     cp bench/results/bench_decode_s*.json $OUT/ ;;
 esac
 tar czf $OUT_ALL/logs.tgz -C /tmp/out .
