@@ -49,8 +49,12 @@ class FusedDecodeStack:
         programs = triton_ops.multiprocessor_count(weight.device)
         if triton_ops.decode_stack_unsupported(shape, programs) is not None:
             return
+        weights = [_layer_weights(layer) for layer in self.layers]
+        if any(w.dtype != weight.dtype or not w.is_contiguous() for row in weights for w in row):
+            return  # the kernel reads [out, in] matrices in the activations' dtype
         self._shape = shape
-        self._table = _weight_table(self.layers, weight.dtype)
+        self._table = torch.tensor([[w.data_ptr() for w in row] for row in weights],
+                                   dtype=torch.int64, device=weight.device)
         self._workspace = triton_ops.make_workspace(shape, weight.dtype, weight.device)
 
     def runs(self, hidden: torch.Tensor) -> bool:
@@ -84,19 +88,9 @@ def _shape(layers: nn.ModuleList, final_norm: RMSNorm):
         qk_norm=attention.qk_norms is not None)
 
 
-def _weight_table(layers: nn.ModuleList, dtype: torch.dtype) -> torch.Tensor:
-    """Each layer's weight addresses (`bcg.kernels.decode_stack.WEIGHTS` order): loading
-    copies into the same parameters, so they stay valid."""
-    weights = [_layer_weights(layer) for layer in layers]
-    for weight in (w for row in weights for w in row):
-        if weight.dtype != dtype or not weight.is_contiguous():
-            raise ValueError("the fused decode stack needs contiguous weights in the "
-                             f"activations' dtype {dtype}, got {weight.dtype}")
-    return torch.tensor([[w.data_ptr() for w in row] for row in weights], dtype=torch.int64,
-                        device=weights[0][0].device)
-
-
 def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
+    """A layer's weights in `bcg.kernels.decode_stack.WEIGHTS` order (loading copies into the
+    same parameters, so their addresses stay valid)."""
     attention, mlp = layer.self_attn, layer.mlp
     # Without per-head norms the kernel never reads these two; the input norm stands in.
     q_norm, k_norm = attention.qk_norms or (layer.input_layernorm, layer.input_layernorm)
