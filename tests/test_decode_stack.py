@@ -13,10 +13,8 @@ QWEN3_0_6B = StackShape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8
 
 
 def test_qwen3_0_6b_cuts_into_one_tile_a_program_on_an_h100():
-    storage = torch.empty(2, 28, 100, 16, 8, 128, device="meta")
-    cos = torch.empty(4096, 64, device="meta")
     assert unsupported_reason(QWEN3_0_6B, programs=132) is None
-    c = _constexprs(QWEN3_0_6B, 132, storage, cos, splits=16)
+    c = _constexprs(QWEN3_0_6B, 132, (2, 28, 100, 16, 8, 128), True, 64, 64)
     assert (c["QKV_TILE"], c["O_TILE"], c["GATE_UP_TILE"], c["DOWN_TILE"]) == (32, 8, 32, 8)
     # Chunks of at most 8192 weights that divide each input size.
     assert (c["QKV_CHUNK"], c["O_CHUNK"], c["GATE_UP_CHUNK"], c["DOWN_CHUNK"]) == (
@@ -28,6 +26,11 @@ def test_larger_models_run_their_layers_one_by_one():
     qwen3_8b = StackShape(num_layers=36, hidden=4096, num_heads=32, num_kv_heads=8,
                           head_dim=128, intermediate=12288, qk_norm=True)
     assert "qkv projection (6144 x 4096)" in unsupported_reason(qwen3_8b, programs=132)
+
+
+def test_a_kv_cache_of_another_model_is_refused():
+    with pytest.raises(ValueError, match="KV cache"):
+        _constexprs(QWEN3_0_6B, 132, (2, 28, 100, 16, 4, 128), True, 64, 64)
 
 
 def test_a_model_it_cannot_tile_is_named():

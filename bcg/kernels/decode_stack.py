@@ -24,6 +24,7 @@ tensor parallelism: its collectives would run on other streams).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -156,14 +157,11 @@ def decode_stack(
     `KVCache.storage`, `[2, layers, blocks, block_size, kv_heads, head_dim]`. `cos`, `sin`:
     fp32 `[max_position, head_dim // 2]`. No host synchronisation: capturable.
     """
+    if hidden.shape != (1, shape.hidden):
+        raise ValueError(f"expected hidden [1, {shape.hidden}], got {tuple(hidden.shape)}")
     programs = multiprocessor_count(hidden.device)
-    reason = unsupported_reason(shape, programs)
-    if reason is not None:
-        raise ValueError(f"the fused decode stack cannot run this model: {reason}")
-    if hidden.shape != (1, shape.hidden) or not kv_storage.is_contiguous():
-        raise ValueError(f"expected hidden [1, {shape.hidden}] and a contiguous KV cache, got "
-                         f"{tuple(hidden.shape)}")
-    constexprs = _constexprs(shape, programs, kv_storage, cos, workspace.plan.num_splits)
+    constexprs = _constexprs(shape, programs, tuple(kv_storage.shape), kv_storage.is_contiguous(),
+                             cos.stride(0), workspace.plan.num_splits)
     _launch(
         (programs,),
         (hidden, positions, slot_mapping, seq_lens, block_tables, weight_table, kv_storage,
@@ -176,27 +174,39 @@ def decode_stack(
     )
 
 
-def _constexprs(shape: StackShape, programs: int, kv_storage: torch.Tensor, cos: torch.Tensor,
-                splits: int) -> dict:
+@functools.lru_cache(maxsize=16)
+def _constexprs(shape: StackShape, programs: int, storage_shape: tuple[int, ...],
+                storage_contiguous: bool, table_stride: int, splits: int) -> dict:
+    """The launch's constexprs (checked once: an engine keeps its KV cache and tables)."""
+    reason = unsupported_reason(shape, programs)
+    if reason is not None:
+        raise ValueError(f"the fused decode stack cannot run this model: {reason}")
+    _, layers, blocks, block_size, kv_heads, head_dim = storage_shape
+    if not storage_contiguous or (layers, kv_heads, head_dim) != (
+            shape.num_layers, shape.num_kv_heads, shape.head_dim):
+        raise ValueError(f"the KV cache {storage_shape} is not a contiguous [2, "
+                         f"{shape.num_layers}, blocks, block_size, {shape.num_kv_heads}, "
+                         f"{shape.head_dim}] tensor")
     tiles = {}
     for name, rows, k in _projections(shape):
         tile = _column_tile(rows, programs)
         tiles[name] = (tile, _chunk_width(_tile_rows_of(name, tile), k))
     group = shape.num_heads // shape.num_kv_heads
-    _, layers, _, block_size, _, _ = kv_storage.shape
+    kv_size = kv_heads * head_dim
+    layer_stride = blocks * block_size * kv_size
     return {
         "LAYERS": shape.num_layers, "HIDDEN": shape.hidden, "HIDDEN_P2": next_power_of_2(
             shape.hidden), "NUM_HEADS": shape.num_heads, "NUM_KV_HEADS": shape.num_kv_heads,
         "HEAD_DIM": shape.head_dim, "INTERMEDIATE": shape.intermediate,
-        "Q_SIZE": shape.num_heads * shape.head_dim, "KV_SIZE": shape.num_kv_heads * shape.head_dim,
+        "Q_SIZE": shape.num_heads * shape.head_dim, "KV_SIZE": kv_size,
         "QK_NORM": shape.qk_norm, "PROGRAMS": programs,
         "QKV_TILE": tiles["qkv"][0], "QKV_CHUNK": tiles["qkv"][1],
         "O_TILE": tiles["o"][0], "O_CHUNK": tiles["o"][1],
         "GATE_UP_TILE": tiles["gate_up"][0], "GATE_UP_CHUNK": tiles["gate_up"][1],
         "DOWN_TILE": tiles["down"][0], "DOWN_CHUNK": tiles["down"][1],
-        "KV_LAYER_STRIDE": kv_storage.stride(1), "V_OFFSET": kv_storage.stride(0),
-        "PAGE": block_size, "CACHE_BLOCK_STRIDE": kv_storage.stride(2),
-        "TABLE_STRIDE": cos.stride(0),
+        "KV_LAYER_STRIDE": layer_stride, "V_OFFSET": layers * layer_stride,
+        "PAGE": block_size, "CACHE_BLOCK_STRIDE": block_size * kv_size,
+        "TABLE_STRIDE": table_stride,
         "SPLITS": splits, "GROUP": group, "BLOCK_H": max(MIN_DOT_ROWS, next_power_of_2(group)),
         "GROUP_P2": next_power_of_2(group), "BLOCK_N": ATTENTION.block_n,
         "MAX_SPLITS": MAX_SPLITS,

@@ -55,7 +55,7 @@ class FusedDecodeStack:
         self._shape = shape
         self._table = torch.tensor([[w.data_ptr() for w in row] for row in weights],
                                    dtype=torch.int64, device=weight.device)
-        self._workspace = triton_ops.make_workspace(shape, weight.dtype, weight.device)
+        self._workspace = triton_ops.make_decode_stack_workspace(shape, weight.dtype, weight.device)
 
     def runs(self, hidden: torch.Tensor) -> bool:
         """Whether this forward (embedded tokens `hidden`) runs as one launch."""

@@ -17,7 +17,8 @@ try:
     from bcg.kernels.activation import relu_squared, silu_and_mul
     from bcg.kernels.decode_attention import MAX_GRID_ROWS as MAX_DECODE_ROWS
     from bcg.kernels.decode_attention import decode_attention, plan_decode
-    from bcg.kernels.decode_stack import StackShape, decode_stack, make_workspace
+    from bcg.kernels.decode_stack import StackShape, decode_stack
+    from bcg.kernels.decode_stack import make_workspace as make_decode_stack_workspace
     from bcg.kernels.decode_stack import unsupported_reason as decode_stack_unsupported
     from bcg.kernels.extend_attention import extend_attention
     from bcg.kernels.fused_moe import fused_experts as fused_experts_kernel
@@ -38,7 +39,7 @@ except ImportError:
 __all__ = ["MAX_DECODE_ROWS", "MAX_FUSED_ROUTER_TOKENS", "StackShape", "add_rms_norm",
            "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen", "decode_attention",
            "decode_stack", "decode_stack_unsupported", "extend_attention", "fused_experts",
-           "gated_rms_norm", "make_workspace", "multiprocessor_count", "plan_decode",
+           "gated_rms_norm", "make_decode_stack_workspace", "multiprocessor_count", "plan_decode",
            "relu_squared", "rms_norm", "route_hidden_top_k", "route_top_k",
            "selective_state_update", "silu_and_mul", "skinny_linear", "ssd_scan_varlen",
            "store_kv", "use_fused_kernels", "uses_fused_router", "uses_moe_kernel",
