@@ -3,10 +3,12 @@ them, and the switch that turns it off (the kernel itself: test_decode_stack_gpu
 
 import pytest
 import torch
+from torch import nn
 
+import bcg.layers.decode_stack as decode_stack_layer
 from bcg.kernels.decode_stack import StackShape, _constexprs, unsupported_reason
+from bcg.layers.norm import RMSNorm
 from bcg.utils import switch_from_environment
-from tests.hf_tiny import PagedHarness, save_tiny_model
 
 QWEN3_0_6B = StackShape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                         intermediate=3072, qk_norm=True)
@@ -42,10 +44,13 @@ def test_a_model_it_cannot_tile_is_named():
     assert "whole tiles" in unsupported_reason(odd_hidden, programs=132)
 
 
-def test_the_stack_is_never_prepared_off_cuda(tmp_path):
-    save_tiny_model("qwen3", tmp_path)
-    h = PagedHarness(tmp_path, device="cpu", dtype="bfloat16")
-    stack = h.runner.model.model.fused_decode
+def test_the_stack_is_never_prepared_off_cuda():
+    # Not through a loaded model: a model loaded in the test process leaves the forked
+    # two-rank test of test_kernels_all_reduce_norm.py hanging (the same at 4910c1e, before
+    # the stack; cause not found).
+    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    stack = decode_stack_layer.FusedDecodeStack(nn.ModuleList(), norm, None)
+    stack.prepare()
     assert stack._workspace is None
     assert not stack.runs(torch.zeros(1, 64, dtype=torch.bfloat16))
 
