@@ -45,9 +45,6 @@ def test_a_model_it_cannot_tile_is_named():
 
 
 def test_the_stack_is_never_prepared_off_cuda():
-    # Not through a loaded model: a model loaded in the test process leaves the forked
-    # two-rank test of test_kernels_all_reduce_norm.py hanging (the same at 4910c1e, before
-    # the stack; cause not found).
     norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
     stack = decode_stack_layer.FusedDecodeStack(nn.ModuleList(), norm, None)
     stack.prepare()

@@ -284,6 +284,9 @@ CALLS = [(1, 48, "plain"), (7, 48, "plain"), (MAX_ROWS, 48, "plain"), (MAX_ROWS,
 def rank_calls(rank: int, buffers: list[torch.Tensor], results: multiprocessing.Queue) -> None:
     """One rank's CALLS over the shared buffers; each result checked against the sum of both
     ranks' parts (the peer's drawn here from its own seed)."""
+    # A forked child must not enter the OpenMP pool its parent started (an engine test run
+    # earlier in the process): libgomp is not fork-safe, and the child hangs in it.
+    torch.set_num_threads(1)
     try:
         peers = TwoRanks(rank, buffers).peers
         for number, (rows, width, kind) in enumerate(CALLS):
