@@ -17,10 +17,14 @@ QWEN3_0_6B = StackShape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8
 def test_qwen3_0_6b_cuts_into_one_tile_a_program_on_an_h100():
     assert unsupported_reason(QWEN3_0_6B, programs=132) is None
     c = _constexprs(QWEN3_0_6B, 132, (2, 28, 100, 16, 8, 128), True, 64, 64)
-    assert (c["QKV_TILE"], c["O_TILE"], c["GATE_UP_TILE"], c["DOWN_TILE"]) == (32, 8, 32, 8)
-    # Chunks of at most 8192 weights that divide each input size.
+    # 128 tiles of 32 QKV columns, of 8 o and down columns; 128 gate/up tiles of 24 columns
+    # (not 96 of 32), read as 32 with the last 8 masked.
+    assert (c["QKV_TILE"], c["O_TILE"], c["GATE_UP_TILE"], c["DOWN_TILE"]) == (32, 8, 24, 8)
+    assert c["GATE_UP_TILE_P2"] == 32
+    # Chunks that divide each input size: at most 8192 weights, o's and gate/up's 16384
+    # (gate/up's rows padded to a power of two).
     assert (c["QKV_CHUNK"], c["O_CHUNK"], c["GATE_UP_CHUNK"], c["DOWN_CHUNK"]) == (
-        256, 1024, 128, 1024)
+        256, 2048, 256, 1024)
     assert (c["KV_LAYER_STRIDE"], c["V_OFFSET"]) == (100 * 16 * 8 * 128, 28 * 100 * 16 * 8 * 128)
 
 

@@ -46,9 +46,12 @@ from bcg.kernels.decode_attention import (
 # The per-layer weights, in the order of the pointer table's columns.
 WEIGHTS = ("qkv", "o", "gate_up", "down", "input_norm", "post_attention_norm", "q_norm",
            "k_norm")
-# Weights a program loads at a time (the next chunk while it uses one): on an H100, 8192
-# (16 KB of bf16) ran 3% faster than 16384 and 6% faster than 4096 (bench/results/s40).
-CHUNK_ELEMENTS = 8192
+# Weights a program loads at a time (the next chunk while it uses one), by projection. On
+# an H100 (qwen3-0.6b), 8192 (16 KB of bf16) everywhere ran 3% faster than 16384 everywhere
+# and 6% faster than 4096 (bench/results/s40); then gate/up's 16384 (24 columns padded to
+# 32: 12288 read) and o's (its whole 8 x 2048 tile) 3% faster than their 8192, while QKV's
+# spilled registers (bench/results/s41).
+CHUNK_ELEMENTS = {"qkv": 8192, "o": 16384, "gate_up": 16384, "down": 8192}
 NUM_WARPS = 8
 # Past this many weights a program a phase (qwen3-0.6b's gate/up tile), the per-op path's
 # kernels stream the weights as fast and the launches weigh less.
@@ -102,15 +105,22 @@ def _tile_rows_of(name: str, tile: int) -> int:
 
 
 def _column_tile(columns: int, programs: int) -> int:
-    """The smallest power-of-two tile that cuts `columns` into at most `programs` tiles."""
-    return next_power_of_2(triton.cdiv(columns, programs))
+    """The smallest tile that cuts `columns` into at most `programs` whole tiles: a power of
+    two up to 8 columns, past that a multiple of 8 (qwen3-0.6b's 3072 gate/up columns: 128
+    tiles of 24, not 96 of 32, on 132 multiprocessors), else the next power of two."""
+    least = triton.cdiv(columns, programs)
+    if least > 8:
+        for tile in range(8 * triton.cdiv(least, 8), next_power_of_2(least), 8):
+            if columns % tile == 0:
+                return tile
+    return next_power_of_2(least)
 
 
-def _chunk_width(rows: int, k: int) -> int:
-    """The widest power-of-two slice of K that divides it and keeps a chunk within
-    CHUNK_ELEMENTS (at least 8 wide)."""
-    width = 8
-    while k % (2 * width) == 0 and rows * 2 * width <= CHUNK_ELEMENTS:
+def _chunk_width(rows: int, k: int, elements: int) -> int:
+    """The widest power-of-two slice of K that divides it and keeps a chunk of `rows`
+    (padded to a power of two) within `elements` (at least 8 wide)."""
+    rows, width = next_power_of_2(rows), 8
+    while k % (2 * width) == 0 and rows * 2 * width <= elements:
         width *= 2
     return width
 
@@ -190,7 +200,7 @@ def _constexprs(shape: StackShape, programs: int, storage_shape: tuple[int, ...]
     tiles = {}
     for name, rows, k in _projections(shape):
         tile = _column_tile(rows, programs)
-        tiles[name] = (tile, _chunk_width(_tile_rows_of(name, tile), k))
+        tiles[name] = (tile, _chunk_width(_tile_rows_of(name, tile), k, CHUNK_ELEMENTS[name]))
     group = shape.num_heads // shape.num_kv_heads
     kv_size = kv_heads * head_dim
     layer_stride = blocks * block_size * kv_size
@@ -200,10 +210,9 @@ def _constexprs(shape: StackShape, programs: int, storage_shape: tuple[int, ...]
         "HEAD_DIM": shape.head_dim, "INTERMEDIATE": shape.intermediate,
         "Q_SIZE": shape.num_heads * shape.head_dim, "KV_SIZE": kv_size,
         "QK_NORM": shape.qk_norm, "PROGRAMS": programs,
-        "QKV_TILE": tiles["qkv"][0], "QKV_CHUNK": tiles["qkv"][1],
-        "O_TILE": tiles["o"][0], "O_CHUNK": tiles["o"][1],
-        "GATE_UP_TILE": tiles["gate_up"][0], "GATE_UP_CHUNK": tiles["gate_up"][1],
-        "DOWN_TILE": tiles["down"][0], "DOWN_CHUNK": tiles["down"][1],
+        **{f"{name.upper()}_{key}": value for name, (tile, chunk) in tiles.items()
+           for key, value in (("TILE", tile), ("TILE_P2", next_power_of_2(tile)),
+                              ("CHUNK", chunk))},
         "KV_LAYER_STRIDE": layer_stride, "V_OFFSET": layers * layer_stride,
         "PAGE": block_size, "CACHE_BLOCK_STRIDE": block_size * kv_size,
         "TABLE_STRIDE": table_stride,
@@ -232,13 +241,18 @@ def _weight(weight_table, layer, index: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile, TILE: tl.constexpr, GATED: tl.constexpr, HALF_ROWS: tl.constexpr):
-    """A column tile's weight rows; gated: gate and up rows interleaved (`[gate | up]`)."""
+def _tile_rows(tile, TILE: tl.constexpr, TILE_P2: tl.constexpr, GATED: tl.constexpr,
+               HALF_ROWS: tl.constexpr):
+    """A column tile's weight rows, -1 past the tile (padded to TILE_P2 columns); gated:
+    gate and up rows interleaved (`[gate | up]`)."""
     if GATED:
-        j = tl.arange(0, 2 * TILE)
-        return (j % 2) * HALF_ROWS + tile * TILE + j // 2
+        j = tl.arange(0, 2 * TILE_P2)
+        column = j // 2
+        rows = (j % 2) * HALF_ROWS + tile * TILE + column
     else:
-        return tile * TILE + tl.arange(0, TILE)
+        column = tl.arange(0, TILE_P2)
+        rows = tile * TILE + column
+    return tl.where(column < TILE, rows, -1)
 
 
 @triton.jit
@@ -250,7 +264,12 @@ def _weight_chunk(w_ptr, rows, start, valid, K: tl.constexpr, CHUNK: tl.constexp
 @triton.jit
 def _normed(x, weight_ptrs, dtype: tl.constexpr):
     """RMSNorm's rounding: `x` (already times 1/rms) rounded, scaled, rounded (fp32 out)."""
-    weight = tl.load(weight_ptrs).to(tl.float32)
+    return _scaled(x, tl.load(weight_ptrs).to(tl.float32), dtype)
+
+
+@triton.jit
+def _scaled(x, weight, dtype: tl.constexpr):
+    """`_normed` with its weight loaded (fp32)."""
     return (x.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
 
 
@@ -287,15 +306,17 @@ def _project(first, w_ptr, rows, valid, x_ptr, norm_ptr, inv_rms, K: tl.constexp
 @triton.jit
 def _add_into(h_ptr, cols, acc, valid):
     """The residual sum, rounded as the per-op path rounds it: `h += round(acc)`."""
-    h = tl.load(h_ptr + cols, mask=valid, cache_modifier=".cg").to(tl.float32)
+    mask = valid & (cols >= 0)
+    h = tl.load(h_ptr + cols, mask=mask, cache_modifier=".cg").to(tl.float32)
     total = h + acc.to(h_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(h_ptr + cols, total.to(h_ptr.dtype.element_ty), mask=valid)
+    tl.store(h_ptr + cols, total.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rotated_heads(x_ptr, heads, mask, cos, sin, norm_ptr, eps, QK_NORM: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):
-    """Heads `heads` at `x_ptr` (`[heads, HEAD_DIM]` rows) normalised (QK_NORM) and rotated
+def _rotated_heads(x_ptr, heads, mask, cos, sin, norm, norm_partner, eps,
+                   QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Heads `heads` at `x_ptr` (`[heads, HEAD_DIM]` rows) normalised (QK_NORM: by the
+    weight `norm`, fp32 `[HEAD_DIM]`, and `norm_partner`, its halves swapped) and rotated
     (rotate-half), rounded as the rotary kernel stores them. `cos`, `sin` cover the whole
     head (each half's table repeated)."""
     dims = tl.arange(0, HEAD_DIM)
@@ -307,8 +328,8 @@ def _rotated_heads(x_ptr, heads, mask, cos, sin, norm_ptr, eps, QK_NORM: tl.cons
                  other=0.0, cache_modifier=".cg").to(tl.float32)
     if QK_NORM:
         inv_rms = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        x = _normed(x * inv_rms, norm_ptr + dims[None, :], dtype)
-        xp = _normed(xp * inv_rms, norm_ptr + partner[None, :], dtype)
+        x = _scaled(x * inv_rms, norm[None, :], dtype)
+        xp = _scaled(xp * inv_rms, norm_partner[None, :], dtype)
     sign = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)[None, :]
     return (x * cos[None, :] + sign * xp * sin[None, :]).to(dtype)
 
@@ -322,11 +343,12 @@ def _decode_stack_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     INTERMEDIATE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr,
     QK_NORM: tl.constexpr, PROGRAMS: tl.constexpr,
-    QKV_TILE: tl.constexpr, QKV_CHUNK: tl.constexpr, O_TILE: tl.constexpr,
-    O_CHUNK: tl.constexpr, GATE_UP_TILE: tl.constexpr, GATE_UP_CHUNK: tl.constexpr,
-    DOWN_TILE: tl.constexpr, DOWN_CHUNK: tl.constexpr, KV_LAYER_STRIDE: tl.constexpr,
-    V_OFFSET: tl.constexpr, PAGE: tl.constexpr, CACHE_BLOCK_STRIDE: tl.constexpr,
-    TABLE_STRIDE: tl.constexpr,
+    QKV_TILE: tl.constexpr, QKV_TILE_P2: tl.constexpr, QKV_CHUNK: tl.constexpr,
+    O_TILE: tl.constexpr, O_TILE_P2: tl.constexpr, O_CHUNK: tl.constexpr,
+    GATE_UP_TILE: tl.constexpr, GATE_UP_TILE_P2: tl.constexpr, GATE_UP_CHUNK: tl.constexpr,
+    DOWN_TILE: tl.constexpr, DOWN_TILE_P2: tl.constexpr, DOWN_CHUNK: tl.constexpr,
+    KV_LAYER_STRIDE: tl.constexpr, V_OFFSET: tl.constexpr, PAGE: tl.constexpr,
+    CACHE_BLOCK_STRIDE: tl.constexpr, TABLE_STRIDE: tl.constexpr,
     SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr,
 ):
@@ -337,19 +359,20 @@ def _decode_stack_kernel(
     per_launch = PROGRAMS * (5 * LAYERS - 1)
     count = tl.atomic_add(barrier_ptr, 0, sem="relaxed", scope="gpu")
     target = count - count % per_launch
-    qkv_rows = _tile_rows(pid, QKV_TILE, False, 0)
+    qkv_rows = _tile_rows(pid, QKV_TILE, QKV_TILE_P2, False, 0)
     qkv_valid = pid * QKV_TILE < Q_SIZE + 2 * KV_SIZE
-    o_rows = _tile_rows(pid, O_TILE, False, 0)
+    o_rows = _tile_rows(pid, O_TILE, O_TILE_P2, False, 0)
     o_valid = pid * O_TILE < HIDDEN
-    gate_up_rows = _tile_rows(pid, GATE_UP_TILE, True, INTERMEDIATE)
+    gate_up_rows = _tile_rows(pid, GATE_UP_TILE, GATE_UP_TILE_P2, True, INTERMEDIATE)
     gate_up_valid = pid * GATE_UP_TILE < INTERMEDIATE
-    down_rows = _tile_rows(pid, DOWN_TILE, False, 0)
+    down_rows = _tile_rows(pid, DOWN_TILE, DOWN_TILE_P2, False, 0)
     down_valid = pid * DOWN_TILE < HIDDEN
 
     position = tl.load(positions_ptr)
     slot = tl.load(slots_ptr)
     seq_len = tl.load(seq_lens_ptr)
     dims = tl.arange(0, HEAD_DIM)
+    partner = (dims + HEAD_DIM // 2) % HEAD_DIM
     cos = tl.load(cos_ptr + position * TABLE_STRIDE + dims % (HEAD_DIM // 2))
     sin = tl.load(sin_ptr + position * TABLE_STRIDE + dims % (HEAD_DIM // 2))
     group_rows = tl.arange(0, BLOCK_H)
@@ -365,10 +388,18 @@ def _decode_stack_kernel(
         inv_rms = _inverse_rms(h_ptr, eps, HIDDEN, HIDDEN_P2)
         acc = _project(first_qkv, w_qkv, qkv_rows, qkv_valid, h_ptr,
                        _weight(weight_table, layer, 4, dtype), inv_rms, HIDDEN, QKV_CHUNK, True)
-        tl.store(qkv_ptr + qkv_rows, acc.to(dtype), mask=qkv_valid)
+        tl.store(qkv_ptr + qkv_rows, acc.to(dtype), mask=qkv_valid & (qkv_rows >= 0))
         w_o = _weight(weight_table, layer, 1, dtype)
         first_o = _weight_chunk(w_o, o_rows, 0, o_valid, Q_SIZE, O_CHUNK)
         w_gate_up = _weight(weight_table, layer, 2, dtype)
+        # The per-head norms' weights too: attention's first loads are then only the QKV
+        # output's (a chain of two loads less on its way).
+        q_norm = _weight(weight_table, layer, 6, dtype)
+        k_norm = _weight(weight_table, layer, 7, dtype)
+        q_scale = tl.load(q_norm + dims).to(tl.float32)
+        q_scale_partner = tl.load(q_norm + partner).to(tl.float32)
+        k_scale = tl.load(k_norm + dims).to(tl.float32)
+        k_scale_partner = tl.load(k_norm + partner).to(tl.float32)
         target += PROGRAMS
         _wait_for_all(barrier_ptr, target)
 
@@ -378,18 +409,20 @@ def _decode_stack_kernel(
         for item in range(pid, NUM_KV_HEADS * splits_used, PROGRAMS):
             kv_head = item // splits_used
             split = item % splits_used
+            # The key and value are loaded beside the query (masked off but for the split
+            # that stores them), not after it.
+            stores_kv = (split == splits_used - 1) & (slot >= 0)
+            k = _rotated_heads(qkv_ptr + Q_SIZE, kv_head + group_rows * 0,
+                               (group_rows < 1) & stores_kv, cos, sin, k_scale,
+                               k_scale_partner, eps, QK_NORM, HEAD_DIM)
+            v = tl.load(qkv_ptr + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + dims,
+                        mask=(dims < HEAD_DIM) & stores_kv, cache_modifier=".cg")
             q = _rotated_heads(qkv_ptr, kv_head * GROUP + group_rows, group_rows < GROUP, cos,
-                               sin, _weight(weight_table, layer, 6, dtype), eps, QK_NORM,
-                               HEAD_DIM)
-            if (split == splits_used - 1) & (slot >= 0):
-                k = _rotated_heads(qkv_ptr + Q_SIZE, kv_head + group_rows * 0, group_rows < 1,
-                                   cos, sin, _weight(weight_table, layer, 7, dtype), eps,
-                                   QK_NORM, HEAD_DIM)
+                               sin, q_scale, q_scale_partner, eps, QK_NORM, HEAD_DIM)
+            if stores_kv:
                 cache_offsets = slot * KV_SIZE + kv_head * HEAD_DIM + dims
                 tl.store(k_cache + cache_offsets[None, :] + group_rows[:, None] * 0, k,
                          mask=(group_rows < 1)[:, None])
-                v = tl.load(qkv_ptr + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + dims,
-                            cache_modifier=".cg")
                 tl.store(k_cache + V_OFFSET + cache_offsets, v)
             tl.debug_barrier()  # the new key and value, stored by every thread, then read
             attend_split(
@@ -418,10 +451,11 @@ def _decode_stack_kernel(
         acc = _project(first_gate_up, w_gate_up, gate_up_rows, gate_up_valid, h_ptr,
                        _weight(weight_table, layer, 5, dtype), inv_rms, HIDDEN, GATE_UP_CHUNK,
                        True)
-        gate, up = tl.split(tl.reshape(acc, [GATE_UP_TILE, 2]))
-        act_cols = pid * GATE_UP_TILE + tl.arange(0, GATE_UP_TILE)
-        tl.store(act_ptr + act_cols, (gate * tl.sigmoid(gate) * up).to(dtype),
-                 mask=gate_up_valid)
+        gate, up = tl.split(tl.reshape(acc, [GATE_UP_TILE_P2, 2]))
+        act_cols = tl.arange(0, GATE_UP_TILE_P2)
+        tl.store(act_ptr + pid * GATE_UP_TILE + act_cols,
+                 (gate * tl.sigmoid(gate) * up).to(dtype),
+                 mask=gate_up_valid & (act_cols < GATE_UP_TILE))
         first_down = _weight_chunk(w_down, down_rows, 0, down_valid, INTERMEDIATE, DOWN_CHUNK)
         target += PROGRAMS
         _wait_for_all(barrier_ptr, target)

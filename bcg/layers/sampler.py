@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from bcg.layers import triton_ops
+
 # Below this a temperature samples like greedy: dividing logits by it would overflow.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's limit)
@@ -63,14 +65,14 @@ class Sampler:
         if batch.all_greedy and batch.penalties is None and batch.logit_adds is None:
             # Exact in the logits' own dtype: no float copy of [S, vocab] (at batch 256 of a
             # 152k vocabulary the copy took longer than the argmax).
-            return logits.argmax(dim=-1)
+            return triton_ops.argmax_rows(logits)
         logits = logits.float()
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         if batch.logit_adds is not None:
             rows, token_ids, values = batch.logit_adds
             logits = logits.index_put((rows, token_ids), values, accumulate=True)
-        greedy = logits.argmax(dim=-1)
+        greedy = triton_ops.argmax_rows(logits)
         if batch.all_greedy:
             return greedy
         temperatures = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)

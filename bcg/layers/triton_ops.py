@@ -15,6 +15,8 @@ import torch
 try:
     from bcg.kernels._launch import multiprocessor_count
     from bcg.kernels.activation import relu_squared, silu_and_mul
+    from bcg.kernels.argmax import MAX_ROWS as ARGMAX_MAX_ROWS
+    from bcg.kernels.argmax import argmax_rows as argmax_rows_kernel
     from bcg.kernels.decode_attention import MAX_GRID_ROWS as MAX_DECODE_ROWS
     from bcg.kernels.decode_attention import decode_attention, plan_decode
     from bcg.kernels.decode_stack import StackShape, decode_stack
@@ -37,13 +39,13 @@ except ImportError:
     MAX_FUSED_ROUTER_TOKENS = 0
 
 __all__ = ["MAX_DECODE_ROWS", "MAX_FUSED_ROUTER_TOKENS", "StackShape", "add_rms_norm",
-           "apply_rotary", "causal_conv1d_update", "causal_conv1d_varlen", "decode_attention",
-           "decode_stack", "decode_stack_unsupported", "extend_attention", "fused_experts",
-           "gated_rms_norm", "make_decode_stack_workspace", "multiprocessor_count", "plan_decode",
-           "relu_squared", "rms_norm", "route_hidden_top_k", "route_top_k",
-           "selective_state_update", "silu_and_mul", "skinny_linear", "ssd_scan_varlen",
-           "store_kv", "use_fused_kernels", "uses_fused_router", "uses_moe_kernel",
-           "uses_skinny_linear", "uses_triton"]
+           "apply_rotary", "argmax_rows", "causal_conv1d_update", "causal_conv1d_varlen",
+           "decode_attention", "decode_stack", "decode_stack_unsupported", "extend_attention",
+           "fused_experts", "gated_rms_norm", "make_decode_stack_workspace",
+           "multiprocessor_count", "plan_decode", "relu_squared", "rms_norm", "route_hidden_top_k",
+           "route_top_k", "selective_state_update", "silu_and_mul", "skinny_linear",
+           "ssd_scan_varlen", "store_kv", "use_fused_kernels", "uses_fused_router",
+           "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -68,6 +70,15 @@ def uses_skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     streaming (cuBLAS takes the rest)."""
     return (use_fused_kernels(x) and x.shape[0] <= SKINNY_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and fills_device(weight, activation))
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of `[rows, vocab]` logits: a decode-sized step's rows on CUDA
+    in the split kernel (PyTorch reduces each row in one block of threads)."""
+    if (use_fused_kernels(logits) and logits.shape[0] <= ARGMAX_MAX_ROWS
+            and logits.stride(-1) == 1):
+        return argmax_rows_kernel(logits)
+    return logits.argmax(dim=-1)
 
 
 def uses_fused_router(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
