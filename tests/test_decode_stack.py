@@ -46,6 +46,9 @@ def test_a_model_it_cannot_tile_is_named():
     odd_hidden = StackShape(num_layers=2, hidden=100, num_heads=4, num_kv_heads=2, head_dim=32,
                             intermediate=96, qk_norm=False)
     assert "whole tiles" in unsupported_reason(odd_hidden, programs=132)
+    narrow = StackShape(num_layers=2, hidden=64, num_heads=1, num_kv_heads=1, head_dim=128,
+                        intermediate=96, qk_norm=True)
+    assert "at least head_dim" in unsupported_reason(narrow, programs=132)
 
 
 def test_the_stack_is_never_prepared_off_cuda():

@@ -58,3 +58,31 @@ def test_rows_of_a_wider_tensor_are_read_by_their_stride():
 def test_a_non_contiguous_row_is_refused():
     with pytest.raises(ValueError, match="contiguous rows"):
         argmax.argmax_rows(torch.randn(1000, 2, device=DEVICE).t())
+
+
+@pytest.mark.parametrize("logits, takes_kernel", [
+    (torch.zeros(16, 100, dtype=torch.bfloat16), True),
+    (torch.zeros(17, 100, dtype=torch.bfloat16), False),  # past a decode-sized step
+    (torch.zeros(2, 3, 100), False),  # not [rows, vocab]
+    (torch.zeros(2, 100, dtype=torch.float64), False),  # the kernel compares in fp32
+    (torch.zeros(100, 2).t(), False),  # rows not contiguous
+])
+def test_the_sampler_takes_the_kernel_only_where_it_applies(monkeypatch, logits, takes_kernel):
+    from bcg.layers import triton_ops
+
+    calls = []
+    monkeypatch.setattr(triton_ops, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(triton_ops, "argmax_rows_kernel", lambda x: calls.append(x) or x[:, 0])
+    triton_ops.argmax_rows(logits)
+    assert bool(calls) == takes_kernel
+
+
+def test_a_graph_capture_takes_pytorchs_argmax(monkeypatch):
+    from bcg.layers import triton_ops
+
+    monkeypatch.setattr(triton_ops, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(triton_ops, "argmax_rows_kernel", lambda x: pytest.fail("kernel"))
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    assert triton_ops.argmax_rows(logits).tolist() == [1]

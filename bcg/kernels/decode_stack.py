@@ -80,6 +80,8 @@ def unsupported_reason(shape: StackShape, programs: int) -> str | None:
     """Why the kernel cannot run `shape` on `programs` multiprocessors, or None."""
     if shape.head_dim & (shape.head_dim - 1) or shape.num_heads % shape.num_kv_heads:
         return "head_dim must be a power of two and the query heads a multiple of the KV heads"
+    if shape.hidden < shape.head_dim:
+        return "the hidden size must be at least head_dim (the per-head norms' stand-in)"
     for name, rows, k in _projections(shape):
         if _tile_rows_of(name, _column_tile(rows, programs)) * k > MAX_TILE_WEIGHTS:
             return (f"the {name} projection ({rows} x {k}) cuts into tiles of more than "

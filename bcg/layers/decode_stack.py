@@ -92,7 +92,8 @@ def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
     """A layer's weights in `bcg.kernels.decode_stack.WEIGHTS` order (loading copies into the
     same parameters, so their addresses stay valid)."""
     attention, mlp = layer.self_attn, layer.mlp
-    # Without per-head norms the kernel never reads these two; the input norm stands in.
+    # Without per-head norms the kernel loads these two (head_dim weights each) but does not
+    # apply them; the input norm (hidden >= head_dim weights) stands in.
     q_norm, k_norm = attention.qk_norms or (layer.input_layernorm, layer.input_layernorm)
     return [attention.qkv_proj.weight, attention.o_proj.weight, mlp.gate_up_proj.weight,
             mlp.down_proj.weight, layer.input_layernorm.weight,

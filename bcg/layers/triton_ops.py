@@ -48,6 +48,9 @@ __all__ = ["MAX_DECODE_ROWS", "MAX_FUSED_ROUTER_TOKENS", "StackShape", "add_rms_
            "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
 
 
+ARGMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def uses_triton(device: torch.device) -> bool:
     """Whether a model on `device` runs the Triton kernels (CUDA) or the reference."""
     if device.type != "cuda":
@@ -73,10 +76,12 @@ def uses_skinny_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(dim=-1)` of `[rows, vocab]` logits: a decode-sized step's rows on CUDA
-    in the split kernel (PyTorch reduces each row in one block of threads)."""
-    if (use_fused_kernels(logits) and logits.shape[0] <= ARGMAX_MAX_ROWS
-            and logits.stride(-1) == 1):
+    """`logits.argmax(dim=-1)`: a decode-sized step's `[rows, vocab]` logits (16- or 32-bit
+    floats, rows contiguous) on CUDA in the split kernel, which PyTorch reduces a row in one
+    block of threads; not under graph capture (its workspace lives outside any graph)."""
+    if (use_fused_kernels(logits) and logits.dim() == 2 and logits.shape[0] <= ARGMAX_MAX_ROWS
+            and logits.stride(-1) == 1 and logits.dtype in ARGMAX_DTYPES
+            and not torch.cuda.is_current_stream_capturing()):
         return argmax_rows_kernel(logits)
     return logits.argmax(dim=-1)
 
