@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
+import os
 import re
 import socket
 
@@ -17,9 +18,9 @@ SWITCH_VALUES = {"1": True, "on": True, "true": True, "yes": True,
                  "0": False, "off": False, "false": False, "no": False}
 
 
-def switch_from_environment(value: str | None, name: str) -> bool:
-    """An on/off environment variable's value (`name`'s, unset: on); anything else is
-    refused."""
+def switch_from_environment(name: str) -> bool:
+    """The on/off environment variable `name` (unset: on); any other value is refused."""
+    value = os.environ.get(name)
     if value is None:
         return True
     if value.strip().lower() not in SWITCH_VALUES:

@@ -59,7 +59,9 @@ def test_the_stack_is_never_prepared_off_cuda():
     assert not stack.runs(torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
-def test_its_switch_reads_like_bcg_pdl():
-    assert switch_from_environment("0", "BCG_DECODE_STACK") is False
+def test_its_switch_reads_like_bcg_pdl(monkeypatch):
+    monkeypatch.setenv("BCG_DECODE_STACK", "0")
+    assert switch_from_environment("BCG_DECODE_STACK") is False
+    monkeypatch.setenv("BCG_DECODE_STACK", "maybe")
     with pytest.raises(ValueError, match="BCG_DECODE_STACK must be 1 or 0"):
-        switch_from_environment("maybe", "BCG_DECODE_STACK")
+        switch_from_environment("BCG_DECODE_STACK")

@@ -47,13 +47,18 @@ def test_the_switch_turns_it_off(monkeypatch):
 
 @pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("On", True), (" no ", False),
                                        ("0", False), ("false", False)])
-def test_the_switch_reads_the_usual_spellings(value, on):
-    assert pdl.switch_from_environment(value, "BCG_PDL") is on
+def test_the_switch_reads_the_usual_spellings(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("BCG_PDL", raising=False)
+    else:
+        monkeypatch.setenv("BCG_PDL", value)
+    assert pdl.switch_from_environment("BCG_PDL") is on
 
 
-def test_a_bad_switch_value_is_refused_with_the_accepted_ones():
+def test_a_bad_switch_value_is_refused_with_the_accepted_ones(monkeypatch):
+    monkeypatch.setenv("BCG_PDL", "2")
     with pytest.raises(ValueError, match="BCG_PDL must be 1 or 0"):
-        pdl.switch_from_environment("2", "BCG_PDL")
+        pdl.switch_from_environment("BCG_PDL")
 
 
 def chain(x: torch.Tensor, residual: torch.Tensor, weights: list, outs: list) -> torch.Tensor:

@@ -27,7 +27,6 @@ On by default on GPUs that have it (compute capability 9.0 and up, Triton with
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -38,7 +37,7 @@ from bcg.utils import switch_from_environment
 # The constexpr a kernel takes to launch early: `CachedLauncher` adds the launch option
 # whenever it is set, so the wait and the early launch always come together.
 CONSTEXPR = "PDL"
-SWITCHED_ON = switch_from_environment(os.environ.get("BCG_PDL"), "BCG_PDL")
+SWITCHED_ON = switch_from_environment("BCG_PDL")
 TRITON_HAS_PDL = getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is not None
 MIN_CAPABILITY = (9, 0)
 

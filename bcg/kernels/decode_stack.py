@@ -83,11 +83,12 @@ def unsupported_reason(shape: StackShape, programs: int) -> str | None:
     if shape.hidden < shape.head_dim:
         return "the hidden size must be at least head_dim (the per-head norms' stand-in)"
     for name, rows, k in _projections(shape):
-        if _tile_rows_of(name, _column_tile(rows, programs)) * k > MAX_TILE_WEIGHTS:
+        tile = _column_tile(rows, programs)
+        if _tile_rows_of(name, tile) * k > MAX_TILE_WEIGHTS:
             return (f"the {name} projection ({rows} x {k}) cuts into tiles of more than "
                     f"{MAX_TILE_WEIGHTS} weights a program (a larger model: its layers run "
                     "one by one)")
-        if k % 8 or rows % _column_tile(rows, programs):
+        if k % 8 or rows % tile:
             return (f"the {name} projection ({rows} x {k}) does not cut into whole tiles "
                     "(its input size must be a multiple of 8)")
     return None

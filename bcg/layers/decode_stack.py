@@ -9,8 +9,6 @@ layers one by one. `BCG_DECODE_STACK=0` in the environment turns it off, to comp
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -21,7 +19,7 @@ from bcg.layers.norm import RMSNorm
 from bcg.layers.rotary import RotaryEmbedding
 from bcg.utils import switch_from_environment
 
-SWITCHED_ON = switch_from_environment(os.environ.get("BCG_DECODE_STACK"), "BCG_DECODE_STACK")
+SWITCHED_ON = switch_from_environment("BCG_DECODE_STACK")
 
 
 class FusedDecodeStack:
