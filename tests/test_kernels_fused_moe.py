@@ -109,6 +109,17 @@ def test_few_tokens_run_a_tile_per_choice_without_alignment(monkeypatch, ids):
     assert relative_error(one_per_tile, reference(*case)) <= tolerance
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_the_choices_are_what_the_kernel_sums(num_tokens):
+    """`fused_expert_choices`: each token's top-k outputs, left for the norm to sum."""
+    case = make_case(num_tokens, 8, 3, hidden=64, intermediate=48, seed=5)
+    choices = fused_moe.fused_expert_choices(*case)
+    assert choices.shape == (num_tokens, 3, 64) and choices.dtype == case[0].dtype
+    assert torch.equal(fused_moe._sum_choices(choices), fused_moe.fused_experts(*case))
+    assert fused_moe.fused_expert_choices(case[0][:0], *case[1:3], case[3][:0],
+                                          case[4][:0]).shape == (0, 3, 64)
+
+
 @pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 1, 300), (3, 8, 600), (2, 3, 5)])
 def test_choices_sum_as_pytorch_sums_them(num_tokens, top_k, hidden):
     rows = torch.randn(num_tokens, top_k, hidden, generator=torch.Generator().manual_seed(0))

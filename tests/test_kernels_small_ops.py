@@ -106,6 +106,33 @@ def test_add_rms_norm_matches_layer(num_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("top_k,hidden", [(8, 2048), (3, 600)] if ON_GPU else [(3, 96), (1, 40)])
+def test_sum_add_rms_norm_is_the_sum_then_add_rms_norm(num_tokens: int, top_k: int,
+                                                       hidden: int) -> None:
+    """A mixture-of-experts token's expert outputs summed (fp32, rounded once), added to
+    the residual and normalised in one launch: as the sum, then `add_rms_norm`."""
+    generator = torch.Generator().manual_seed(num_tokens + top_k)
+    weight = rand(hidden, generator=generator)
+    rows = rand(num_tokens, top_k, hidden, generator=generator)
+    residual = rand(num_tokens, hidden, generator=generator)
+    summed = rows.float().sum(dim=1).to(DTYPE)
+    expected_out, expected_residual = rmsnorm.add_rms_norm(summed, residual.clone(), weight,
+                                                           1e-6)
+    out, new_residual = rmsnorm.sum_add_rms_norm(rows, residual, weight, 1e-6)
+    assert new_residual is residual
+    # bf16: the eight rows may sum in another order than PyTorch's, an ulp apart at most
+    assert relative_error(residual, expected_residual) <= (1e-2 if ON_GPU else 1e-6)
+    assert relative_error(out, expected_out) <= (1e-2 if ON_GPU else 1e-6)
+
+
+def test_sum_add_rms_norm_names_what_it_takes() -> None:
+    rows = torch.zeros(2, 3, 8, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match=r"residual \[tokens, hidden\]"):
+        rmsnorm.sum_add_rms_norm(rows, torch.zeros(2, 9, device=DEVICE, dtype=DTYPE),
+                                 torch.ones(8, device=DEVICE, dtype=DTYPE), 1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("width,group_size", [(256, 64), (1024, 1024), (384, 96)], ids=str)
 def test_gated_rms_norm_matches_layer(num_tokens: int, width: int, group_size: int) -> None:
     """Mamba2's output norm, its gate a strided view into the projection (as in the mixer)."""

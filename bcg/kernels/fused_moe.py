@@ -9,7 +9,8 @@
 2. A grouped GEMM multiplies each tile's token rows by its expert's `gate_up` weight.
 3. SiLU-and-mul (`bcg.kernels.activation`; inside step 2 for decode-sized tiles).
 4. The same GEMM by the expert's `down` weight, scaled by the routing weight of each choice.
-5. The top-k rows of each token are summed.
+5. The top-k rows of each token are summed (or left to the norm after the layer:
+   `fused_expert_choices`).
 
 Choices routed to experts of another rank (id -1, expert parallel) form one more group
 whose tiles the first GEMM skips and the second fills with zeros.
@@ -77,12 +78,23 @@ def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torc
     """`sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t])`, as
     `bcg.layers.moe_ref.fused_experts_ref` (same arguments; ids -1 add nothing). `tiles`
     overrides the default for the step's size (benchmarks tune with it)."""
+    return _sum_choices(fused_expert_choices(hidden_states, gate_up, down, topk_weights,
+                                             topk_ids, tiles))
+
+
+def fused_expert_choices(hidden_states: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         tiles: MoETiles | None = None) -> torch.Tensor:
+    """`fused_experts` before its sum over each token's choices: `[T, K, H]`, row `[t, k]`
+    `topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t])` rounded to
+    `hidden_states`' dtype (zeros for ids -1); a norm after the layer may take the sum
+    (`bcg.kernels.rmsnorm.sum_add_rms_norm`)."""
     num_tokens, hidden = hidden_states.shape
     num_experts, double_intermediate, _ = gate_up.shape
     top_k = topk_ids.shape[1]
     require_last_dim_contiguous("hidden_states", hidden_states)
     if num_tokens == 0:
-        return hidden_states.new_empty(0, hidden)
+        return hidden_states.new_empty(0, top_k, hidden)
     num_choices = num_tokens * top_k
     tiles = tiles or moe_tiles(num_choices, num_experts, hidden_states.is_cuda)
     alignment = align_to_experts(topk_ids, num_experts, tiles.block_m)
@@ -99,7 +111,7 @@ def fused_experts(hidden_states: torch.Tensor, gate_up: torch.Tensor, down: torc
     down_out = hidden_states.new_empty(num_choices, hidden)
     _grouped_gemm(activated, down.contiguous(), down_out, weights, alignment, tiles,
                   rows_per_input=1, scale_by_weight=True)
-    return _sum_choices(down_out.view(num_tokens, top_k, hidden))
+    return down_out.view(num_tokens, top_k, hidden)
 
 
 SUM_BLOCK = 256  # columns per program: a one-token step of hidden 2048 runs 8
@@ -110,6 +122,8 @@ def _sum_choices(rows: torch.Tensor) -> torch.Tensor:
     PyTorch reduction took 5 us a layer at one token on the H100)."""
     num_tokens, top_k, hidden = rows.shape
     out = rows.new_empty(num_tokens, hidden)
+    if num_tokens == 0:
+        return out
     _launch_sum_choices(
         (num_tokens, cdiv(hidden, SUM_BLOCK)),
         (rows, out),

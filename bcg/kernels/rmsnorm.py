@@ -1,5 +1,5 @@
-"""RMSNorm over the last dimension, optionally fused with the residual add before it; Mamba2's
-gated RMSNorm.
+"""RMSNorm over the last dimension, optionally fused with the residual add before it (and with
+the sum of a mixture-of-experts token's expert outputs before that); Mamba2's gated RMSNorm.
 
 Rounding follows ``bcg.layers.norm``: RMSNorm normalises in fp32, rounds to the input dtype,
 then scales by the weight, and the fused residual sum is rounded before it is normalised; the
@@ -64,6 +64,49 @@ def add_rms_norm(
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     _launch(x, residual, weight, eps, out)
+    return out, residual
+
+
+def sum_add_rms_norm(
+    rows: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm(rows.sum(dim=1), residual, weight, eps)`, the sum in fp32 rounded once
+    (as `bcg.kernels.fused_moe` sums a token's top-k expert outputs), in one launch: a
+    mixture-of-experts layer's last sum and the norm after it (one launch a layer fewer).
+
+    Args:
+        rows: `[tokens, k, hidden]`, contiguous.
+        residual: `[tokens, hidden]`, `rows`' dtype, last dim contiguous; updated in place.
+        weight: `[hidden]`.
+
+    Returns `(out, residual)`, `out` new.
+    """
+    num_tokens, top_k, hidden = rows.shape
+    if (residual.shape != (num_tokens, hidden) or residual.dtype != rows.dtype
+            or weight.shape != (hidden,) or not rows.is_contiguous()):
+        raise ValueError(
+            f"sum_add_rms_norm takes contiguous rows [tokens, k, hidden], a residual [tokens, "
+            f"hidden] of their dtype and a weight [hidden]; got rows {tuple(rows.shape)} "
+            f"{rows.dtype}, residual {tuple(residual.shape)} {residual.dtype}, weight "
+            f"{tuple(weight.shape)}")
+    for name, tensor in (("residual", residual), ("weight", weight)):
+        require_last_dim_contiguous(name, tensor)
+    out = residual.new_empty(num_tokens, hidden)
+    if num_tokens == 0:
+        return out, residual
+    block = next_power_of_2(hidden)
+    _launch_sum_add_rms_norm(
+        (num_tokens,),
+        (rows, residual, weight, out),
+        (float(eps),),
+        {"TOP_K": top_k, "HIDDEN": hidden, "STRIDE_RES": residual.stride(0),
+         "BLOCK_K": next_power_of_2(top_k), "BLOCK": block,
+         "PDL": _pdl.launches_early(rows.device)},
+        num_warps=min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD))),
+    )
     return out, residual
 
 
@@ -176,6 +219,31 @@ def add_rms_norm_loaded(x, residual, weight, res_ptrs, out_ptrs, mask, eps, HIDD
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
+
+
+@triton.jit
+def _sum_add_rms_norm_kernel(
+    rows_ptr, residual_ptr, weight_ptr, out_ptr, eps,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    STRIDE_RES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl.start_after_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    k = tl.arange(0, BLOCK_K)
+    rows = tl.load(rows_ptr + (token * TOP_K + k[:, None]) * HIDDEN + cols[None, :],
+                   mask=(k[:, None] < TOP_K) & mask[None, :], other=0.0)
+    x = tl.sum(rows.to(tl.float32), axis=0).to(rows_ptr.dtype.element_ty)
+    add_rms_norm_row(x, residual_ptr + token * STRIDE_RES + cols, weight_ptr,
+                     out_ptr + token * HIDDEN + cols, cols, mask, eps, HIDDEN, True)
+
+
+_launch_sum_add_rms_norm = CachedLauncher(_sum_add_rms_norm_kernel)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,

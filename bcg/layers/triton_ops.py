@@ -23,12 +23,13 @@ try:
     from bcg.kernels.decode_stack import make_workspace as make_decode_stack_workspace
     from bcg.kernels.decode_stack import unsupported_reason as decode_stack_unsupported
     from bcg.kernels.extend_attention import extend_attention
+    from bcg.kernels.fused_moe import fused_expert_choices
     from bcg.kernels.fused_moe import fused_experts as fused_experts_kernel
     from bcg.kernels.kv_store import store_kv
     from bcg.kernels.mamba_conv import causal_conv1d_update, causal_conv1d_varlen
     from bcg.kernels.mamba_scan import selective_state_update, ssd_scan_varlen
     from bcg.kernels.moe_routing import MAX_FUSED_ROUTER_TOKENS, route_hidden_top_k, route_top_k
-    from bcg.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
+    from bcg.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm, sum_add_rms_norm
     from bcg.kernels.rotary import apply_rotary
     from bcg.kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS
     from bcg.kernels.skinny_linear import fills_device, skinny_linear
@@ -41,11 +42,12 @@ except ImportError:
 __all__ = ["MAX_DECODE_ROWS", "MAX_FUSED_ROUTER_TOKENS", "StackShape", "add_rms_norm",
            "apply_rotary", "argmax_rows", "causal_conv1d_update", "causal_conv1d_varlen",
            "decode_attention", "decode_stack", "decode_stack_unsupported", "extend_attention",
-           "fused_experts", "gated_rms_norm", "make_decode_stack_workspace",
-           "multiprocessor_count", "plan_decode", "relu_squared", "rms_norm", "route_hidden_top_k",
-           "route_top_k", "selective_state_update", "silu_and_mul", "skinny_linear",
-           "ssd_scan_varlen", "store_kv", "use_fused_kernels", "uses_fused_router",
-           "uses_moe_kernel", "uses_skinny_linear", "uses_triton"]
+           "fused_expert_choices", "fused_experts", "gated_rms_norm",
+           "make_decode_stack_workspace", "multiprocessor_count", "plan_decode", "relu_squared",
+           "rms_norm", "route_hidden_top_k", "route_top_k", "selective_state_update",
+           "silu_and_mul", "skinny_linear", "ssd_scan_varlen", "store_kv", "sum_add_rms_norm",
+           "use_fused_kernels", "uses_fused_router", "uses_moe_kernel", "uses_skinny_linear",
+           "uses_triton"]
 
 
 ARGMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
