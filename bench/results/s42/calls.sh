@@ -16,6 +16,10 @@
 #   g  one H100: the sum of each token's expert outputs inside the norm's launch
 #      (sum_add_rms_norm): GPU tests of the kernels and the MoE models; bench_moe tp1 decode,
 #      main (main_tree/, `git archive 5275cad bcg`, removed after the call) then the change
+#   h  one H100, after the zero-token path of fused_experts moved into _sum_choices: the
+#      gpu-marked tests of the MoE kernel, the small ops and the MoE model (callH/final.log;
+#      run as one line: run final 200 python -m pytest -q -m gpu tests/test_kernels_fused_moe.py
+#      tests/test_kernels_small_ops.py tests/test_models_qwen3_moe.py)
 source bench/results/hang_s29/common.sh
 case "$1" in
   a) run stack_tests 420 python -m pytest -q -x -p no:cacheprovider \
