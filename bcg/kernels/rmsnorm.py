@@ -24,6 +24,11 @@ ELEMENTS_PER_THREAD = 8
 MAX_WARPS = 16
 
 
+def _row_warps(block: int) -> int:
+    """Warps for a program that holds a row of `block` elements."""
+    return min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD)))
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -105,7 +110,7 @@ def sum_add_rms_norm(
         {"TOP_K": top_k, "HIDDEN": hidden, "STRIDE_RES": residual.stride(0),
          "BLOCK_K": next_power_of_2(top_k), "BLOCK": block,
          "PDL": _pdl.launches_early(rows.device)},
-        num_warps=min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD))),
+        num_warps=_row_warps(block),
     )
     return out, residual
 
@@ -134,7 +139,6 @@ def _launch(
     residual_or_x = x if residual is None else residual
     require_last_dim_contiguous("residual", residual_or_x)
     block = next_power_of_2(hidden)
-    num_warps = min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD)))
     x_tok, x_head = _row_strides(x)
     res_tok, res_head = _row_strides(residual_or_x)
     out_tok, out_head = _row_strides(out)
@@ -155,7 +159,7 @@ def _launch(
             "BLOCK": block,
             "PDL": _pdl.launches_early(x.device),
         },
-        num_warps=num_warps,
+        num_warps=_row_warps(block),
     )
 
 
@@ -277,7 +281,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
         (float(eps),),
         {"GROUP": group_size, "STRIDE_X": x.stride(0), "STRIDE_GATE": gate.stride(0),
          "STRIDE_OUT": out.stride(0), "BLOCK": block, "PDL": _pdl.launches_early(x.device)},
-        num_warps=min(MAX_WARPS, max(1, block // (32 * ELEMENTS_PER_THREAD))),
+        num_warps=_row_warps(block),
     )
     return out
 

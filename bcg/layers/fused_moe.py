@@ -81,8 +81,7 @@ class FusedMoE(nn.Module):
         one rank, with the kernels, the norm's launch also sums each token's choices."""
         if self.alltoall:
             return norm.add_and_norm(self(hidden_states, topk_weights, topk_ids), residual)
-        if self.tp.size == 1 and residual is not None and triton_ops.use_fused_kernels(
-                hidden_states):
+        if self.tp.size == 1 and triton_ops.use_fused_kernels(hidden_states):
             # One launch a layer fewer: a decode step at batch 1 of qwen3-30b-a3b 3.548 ->
             # 3.511 ms on an H100 (bench/results/s42/callG).
             choices = triton_ops.fused_expert_choices(hidden_states, self.gate_up_proj,
