@@ -10,15 +10,19 @@ the same, and only its launch overlaps the other's tail.
 Every kernel launched early waits first, before any memory access: the completion of each
 then implies its predecessor's along the whole chain, which the custom all-reduce's slot
 reuse relies on (`bcg.kernels.all_reduce_norm`). The short kernels (the norms, the Mamba2
-gated norm too, the rotary kernel, decode attention, the Mamba2 conv and state updates, the
-MoE routing, alignment and top-k sum) and the custom all-reduce (with its add and norm) then
-let the next kernel start at once; the all-reduce's dependents sit resident while it waits
-for its peers, harmless as all its programs are already running. The skinny projections (a
+gated norm too, the rotary kernel, the Mamba2 conv and state updates, the MoE routing,
+alignment and top-k sum) and the custom all-reduce (with its add and norm) then let the next
+kernel start at once; the all-reduce's dependents sit resident while it waits for its peers,
+harmless as all its programs are already running. The skinny projections (a
 tensor-parallel one's send to its peers too) and the MoE grouped GEMMs let the next start
-only after their weight loop. Session 26 had every kernel let the next start before its own
-wait, which cost qwen3-8b 3-4% a step on an H100 (cause not found); this order gains on both
-models measured (README, `bench_decode`). Letting the next start only after the wait also
-keeps at most two kernels of the chain resident at a time.
+only after their weight loop. Decode attention lets the next start only as its programs
+exit: launched beside attention's hundreds of programs, the o projection's took 1.5x as
+long (qwen3-8b at batch 1 on an H200: 16.9 against 11.0 µs at tp1, 7.7 against 6.9 at tp2;
+session 43), most likely placed two to a multiprocessor by the block scheduler, which places
+a kernel's programs as it launches them. Session 26 had every kernel let the next start
+before its own wait, which cost qwen3-8b 3-4% a step on an H100 (cause not found); this
+order gains on both models measured (README, `bench_decode`). Letting the next start only
+after the wait also keeps at most two kernels of the chain resident at a time.
 
 On by default on GPUs that have it (compute capability 9.0 and up, Triton with
 `tl.extra.cuda.gdc_wait`); `BCG_PDL=0` in the environment turns it off, to compare.
