@@ -141,13 +141,21 @@ def _sum_choices_kernel(rows_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.const
     _pdl.start_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    total = sum_choice_rows(rows_ptr, token, cols, mask, TOP_K, HIDDEN, BLOCK_K)
+    tl.store(out_ptr + token * HIDDEN + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sum_choice_rows(rows_ptr, token, cols, mask, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """The sum in fp32 of `token`'s TOP_K rows of `[tokens, TOP_K, HIDDEN]`
+    (`fused_expert_choices`) at `cols` (`mask`: the columns in range); a kernel that ends
+    the MoE layer shares it."""
     k = tl.arange(0, BLOCK_K)
-    mask = (k[:, None] < TOP_K) & (cols[None, :] < HIDDEN)
-    rows = tl.load(rows_ptr + (token * TOP_K + k[:, None]) * HIDDEN + cols[None, :], mask=mask,
-                   other=0.0)
-    total = tl.sum(rows.to(tl.float32), axis=0)
-    tl.store(out_ptr + token * HIDDEN + cols, total.to(out_ptr.dtype.element_ty),
-             mask=cols < HIDDEN)
+    rows = tl.load(rows_ptr + (token * TOP_K + k[:, None]) * HIDDEN + cols[None, :],
+                   mask=(k[:, None] < TOP_K) & mask[None, :], other=0.0)
+    return tl.sum(rows.to(tl.float32), axis=0)
 
 
 _launch_sum_choices = CachedLauncher(_sum_choices_kernel)

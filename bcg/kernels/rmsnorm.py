@@ -18,6 +18,7 @@ from bcg.kernels._launch import (
     next_power_of_2,
     require_last_dim_contiguous,
 )
+from bcg.kernels.fused_moe import sum_choice_rows
 
 # Elements per thread beyond which a row gets more warps.
 ELEMENTS_PER_THREAD = 8
@@ -239,10 +240,8 @@ def _sum_add_rms_norm_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
-    k = tl.arange(0, BLOCK_K)
-    rows = tl.load(rows_ptr + (token * TOP_K + k[:, None]) * HIDDEN + cols[None, :],
-                   mask=(k[:, None] < TOP_K) & mask[None, :], other=0.0)
-    x = tl.sum(rows.to(tl.float32), axis=0).to(rows_ptr.dtype.element_ty)
+    x = sum_choice_rows(rows_ptr, token, cols, mask, TOP_K, HIDDEN, BLOCK_K)
+    x = x.to(rows_ptr.dtype.element_ty)
     add_rms_norm_row(x, residual_ptr + token * STRIDE_RES + cols, weight_ptr,
                      out_ptr + token * HIDDEN + cols, cols, mask, eps, HIDDEN, True)
 

@@ -18,6 +18,8 @@
 #      tree / main / tree
 #   g  same machine: the one-GPU test files of graph runners, HF models, graphs, engine
 #      generate and overlap, in two lanes
+#   j  one H100: after the top-k sum's jit helper moved (sum_choice_rows), the small-op, MoE
+#      kernel, PDL, routing and MoE model tests and the graph runners' MoE and norm cases
 source bench/results/hang_s29/common.sh
 tp() {  # prefetch_k
   local name=tp_k$1_$RANDOM start=$SECONDS
@@ -51,5 +53,10 @@ case "$1" in
   g) GPU_CHECK_LANES=2 GPU_CHECK_FILES=single OUT=/tmp/out/suite timeout 420 bash \
        scripts/gpu_check.sh "tests graph_runners_gpu models_hf engine_generate overlap graph_gpu" \
        > $OUT/suite.log 2>&1; echo "suite rc $?"; sed -n '/=== summary/,$p' $OUT/suite.log ;;
+  j) run moe_tests 330 python -m pytest -q -p no:cacheprovider tests/test_kernels_small_ops.py \
+       tests/test_kernels_fused_moe.py tests/test_kernels_pdl.py tests/test_kernels_moe_routing.py \
+       tests/test_models_qwen3_moe.py tests/test_graph_runners_gpu.py \
+       -k "moe or sum_add or rms_norm or pdl or test_kernels_fused or routing"
+     tail -3 $OUT/moe_tests.log ;;
   *) echo "usage: $0 a | b \"K...\" | c"; exit 2 ;;
 esac
